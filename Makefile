@@ -1,0 +1,35 @@
+# Two commands for a newcomer: `make run` (set up + dvc repro) and `make test` (set up + pytest).
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+export PYTHONUNBUFFERED := 1
+
+.PHONY: setup run test test-all ui lint bench gpu-check clean
+
+# The venv is rebuilt when the pinned requirements change. torch 2.14.1 / torchvision 0.29.1 are pinned
+# because they install from this machine's disk; other versions download gigabytes.
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --disable-pip-version-check -q -r requirements.txt
+	$(PY) -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: setup
+	dvc repro
+	dvc metrics show
+
+test: setup
+	pytest -q
+
+ui: setup
+	mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1 --port 5000
+
+lint: setup
+	ruff check .
+
+clean:
+	rm -rf data models mlartifacts mlflow.db .dvc/cache .dvc/tmp

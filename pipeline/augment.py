@@ -1,0 +1,101 @@
+"""The training augmentation policy, described in params.yaml and built by albumentations' serializer.
+
+    augment:
+      policy:
+        - {name: HorizontalFlip, p: 0.5}
+        - {name: OneOf, p: 0.3, transforms: [{name: GaussNoise}, {name: GaussianBlur}]}
+
+Each entry names an albumentations transform and its arguments, so ``dvc exp run -S`` can change it.
+A wrong name or argument is a ConfigError naming ``augment.policy[i]``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from pathlib import Path
+from typing import Any
+
+import albumentations as A
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from pipeline.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def _to_serialized(spec: dict[str, Any], where: str) -> dict[str, Any]:
+    if not isinstance(spec, dict) or "name" not in spec:
+        raise ConfigError(f"{where}: expected a mapping with a 'name' key, got {spec!r}")
+    args = dict(spec)
+    name = args.pop("name")
+    cls = getattr(A, str(name), None)
+    if not (isinstance(cls, type) and issubclass(cls, A.BasicTransform | A.BaseCompose)):
+        raise ConfigError(f"{where}: {name!r} is not an albumentations transform")
+    accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "args", "kwargs"}
+    unknown = sorted(set(args) - accepted)
+    if unknown:
+        raise ConfigError(f"{where}: {name} has no argument {unknown[0]!r} (it takes: {', '.join(sorted(accepted))})")
+    if "transforms" in args:
+        args["transforms"] = [_to_serialized(t, f"{where}.transforms[{i}]") for i, t in enumerate(args["transforms"])]
+    return {"__class_fullname__": name, **args}
+
+
+def build_policy(policy: list[dict[str, Any]], seed: int | None = None) -> A.Compose:
+    """A Compose from the params description, via ``A.from_dict`` (albumentations' own deserializer)."""
+    transforms = [_to_serialized(t, f"augment.policy[{i}]") for i, t in enumerate(policy)]
+    try:
+        compose = A.from_dict({"transform": {"__class_fullname__": "Compose", "transforms": transforms, "p": 1.0}})
+    except Exception as exc:  # pydantic validation errors of a transform's arguments, mostly
+        raise ConfigError(f"augment.policy: albumentations rejected the policy: {exc}") from None
+    if seed is not None:
+        compose.set_random_seed(seed)
+    return compose
+
+
+def save_policy(compose: A.Compose, path: Path) -> None:
+    A.save(compose, str(path), data_format="json")
+
+
+class ImageDataset(Dataset):
+    """Packed (N, H, W, C) uint8 images with labels; applies the policy on the fly (training only)."""
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray, transform: A.Compose | None = None) -> None:
+        self.images, self.labels, self.transform = images, labels, transform
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        img = self.images[i]
+        if self.transform is not None:
+            img = self.transform(image=img)["image"].reshape(img.shape)  # keep the (H, W, C) layout
+        return torch.from_numpy(np.ascontiguousarray(img)), int(self.labels[i])
+
+
+def seed_worker(worker_id: int) -> None:
+    """DataLoader worker_init_fn: derive the policy's seed from torch's per-worker seed (reproducible)."""
+    info = torch.utils.data.get_worker_info()
+    ds = info.dataset
+    if getattr(ds, "transform", None) is not None:
+        ds.transform.set_random_seed(info.seed % 2**31)
+
+
+def preview(policy: A.Compose, prepared_dir: Path, per_class: int, path: Path) -> None:
+    """A PNG grid, a row per class: one training image, then ``per_class`` augmented versions of it."""
+    from pipeline.plots import image_grid
+    from pipeline.prepare import load_split, read_summary
+
+    classes = read_summary(prepared_dir)["classes"]
+    images, labels, _ = load_split(prepared_dir, "train")
+    rows, titles = [], []
+    for i, c in enumerate(classes):
+        idx = np.nonzero(labels == i)[0]
+        if len(idx) == 0:
+            continue
+        original = images[idx[0]]
+        rows.append([original] + [policy(image=original)["image"].reshape(original.shape) for _ in range(per_class)])
+        titles.append(c)
+    image_grid(rows, titles, path, col_titles=["original"] + [f"augmented {k + 1}" for k in range(per_class)])

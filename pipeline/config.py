@@ -1,0 +1,254 @@
+"""Typed, frozen views of ``params.yaml``.
+
+Every section of ``params.yaml`` maps one-to-one onto a frozen dataclass below. ``load_params`` is
+strict: a missing key, an unknown key or a value of the wrong type stops with a ``ConfigError``
+that names the key (``train.lr: expected float, got 'fast'``), so a typo never silently falls back
+to a default. Library code takes these objects, never a raw dict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A problem in params.yaml; the message names the key."""
+
+
+@dataclass(frozen=True)
+class SyntheticConfig:
+    counts: dict[str, int]  # images per class; "ok" plus any of scratch, spot, crack
+    image_size: int  # side of the square images the generator writes
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str  # "synthetic" or a folder with one subfolder per class
+    ok_class: str  # the class that means "no defect"
+    channels: Literal[1, 3]  # channels the model sees; images are converted to this
+    seed: int
+    synthetic: SyntheticConfig
+
+
+@dataclass(frozen=True)
+class ValidateConfig:
+    min_side: int  # smaller images are quarantined
+    max_pixels: int  # larger images are refused before decoding (decompression bombs)
+    min_per_class: int  # the gate fails if an accepted class has fewer images
+    max_bad_fraction: float  # the gate fails if a larger share of files is quarantined
+    near_duplicate_bits: int  # perceptual hashes (256 bits) this close are one near-duplicate group
+
+
+@dataclass(frozen=True)
+class SplitConfig:
+    val: float
+    test: float
+
+
+@dataclass(frozen=True)
+class PrepareConfig:
+    image_size: int  # model input side, pixels
+    resize: Literal["letterbox", "squash"]
+    split: SplitConfig
+
+
+@dataclass(frozen=True)
+class AugmentConfig:
+    policy: list[dict[str, Any]]  # albumentations transforms: [{name: HorizontalFlip, p: 0.5}, ...]
+    preview_per_class: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str  # a timm model name
+    pretrained: str  # "false", "hub" or a path to a local weights file
+    drop_rate: float
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    epochs: int
+    batch_size: int
+    lr: float
+    weight_decay: float
+    warmup_epochs: int
+    label_smoothing: float
+    class_weighting: Literal["none", "balanced"]
+    precision: Literal["auto", "fp32", "fp16", "bf16"]
+    device: Literal["auto", "cpu", "cuda"]
+    num_workers: int
+    threads: int  # torch intra-op threads on CPU; 0 = torch's default
+    seed: int
+
+
+@dataclass(frozen=True)
+class EvaluateConfig:
+    target_defect_recall: float  # the threshold is chosen on the val split to reach this recall
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    opset: int
+    max_abs_diff: float  # fp32 ONNX vs PyTorch, on class probabilities
+
+
+@dataclass(frozen=True)
+class BenchmarkConfig:
+    batch_sizes: list[int]
+    repeats: int
+    warmup: int
+    max_images: int
+
+
+@dataclass(frozen=True)
+class MlflowConfig:
+    tracking_uri: str
+    experiment: str
+
+
+@dataclass(frozen=True)
+class Params:
+    data: DataConfig
+    validate: ValidateConfig
+    prepare: PrepareConfig
+    augment: AugmentConfig
+    model: ModelConfig
+    train: TrainConfig
+    evaluate: EvaluateConfig
+    export: ExportConfig
+    benchmark: BenchmarkConfig
+    mlflow: MlflowConfig
+    source_file: str = field(default="params.yaml", compare=False)
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _convert(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; return it (ints widened to float where asked)."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed or type(value) is not type(allowed[0]):  # noqa: E721 (1 != True here)
+            raise ConfigError(f"{key}: expected one of {list(allowed)}, got {value!r}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            try:
+                return _convert(value, arg, key)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        (item_tp,) = typing.get_args(tp)
+        return [_convert(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        k_tp, v_tp = typing.get_args(tp)
+        return {_convert(k, k_tp, key): _convert(v, v_tp, f"{key}.{k}") for k, v in value.items()}
+    if tp is Any:
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if tp is str:
+        if isinstance(value, bool):  # YAML reads `false` as a bool; keep the user's word
+            return str(value).lower()
+        if not isinstance(value, (str, int, float)):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return str(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    raise TypeError(f"unsupported annotation {tp!r} at {key}")  # a bug in this file, not in params
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    where = prefix or "params.yaml"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init and f.name != "source_file"}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        known = ", ".join(sorted(fields))
+        raise ConfigError(f"{prefix + '.' if prefix else ''}{unknown[0]}: unknown key (known here: {known})")
+    kwargs = {}
+    for name, f in fields.items():
+        key = f"{prefix}.{name}" if prefix else name
+        if name not in raw:
+            if f.default is not dataclasses.MISSING:
+                continue
+            raise ConfigError(f"{key}: missing key")
+        kwargs[name] = _convert(raw[name], hints[name], key)
+    return cls(**kwargs)
+
+
+def params_from_dict(raw: dict, source_file: str = "params.yaml") -> Params:
+    try:
+        params = _build(Params, raw, "")
+    except ConfigError as exc:
+        raise ConfigError(f"{source_file}: {exc}") from None
+    params = dataclasses.replace(params, source_file=source_file)
+    _check_values(params)
+    return params
+
+
+def _check_values(p: Params) -> None:
+    """Cross-field rules that a type alone cannot say."""
+    problems = []
+    if p.prepare.split.val <= 0 or p.prepare.split.test <= 0 or p.prepare.split.val + p.prepare.split.test >= 0.9:
+        problems.append("prepare.split: val and test must be > 0 and leave at least 10% for train")
+    if p.prepare.image_size < 32:
+        problems.append(f"prepare.image_size: must be at least 32 (EfficientNet), got {p.prepare.image_size}")
+    if not 0 < p.evaluate.target_defect_recall <= 1:
+        problems.append("evaluate.target_defect_recall: must be in (0, 1]")
+    if p.data.source == "synthetic" and p.data.ok_class not in p.data.synthetic.counts:
+        problems.append(f"data.ok_class: {p.data.ok_class!r} is not a class of data.synthetic.counts")
+    if p.train.epochs < 1 or p.train.batch_size < 1:
+        problems.append("train.epochs and train.batch_size must be at least 1")
+    if problems:
+        raise ConfigError(f"{p.source_file}: " + "; ".join(problems))
+
+
+def load_params(path: str | Path = "params.yaml") -> Params:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: file not found (run from the project root)")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    return params_from_dict(raw or {}, str(path))
+
+
+def as_flat_dict(obj: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"train.lr": 0.003, ...}`` for logging params to MLflow."""
+    out: dict[str, Any] = {}
+    items = dataclasses.asdict(obj).items() if dataclasses.is_dataclass(obj) else obj.items()
+    for k, v in items:
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(as_flat_dict(v, key + "."))
+        else:
+            out[key] = v
+    return out

@@ -1,0 +1,70 @@
+"""Export: one ONNX graph from uint8 pixels to decision inputs, its model card, and a parity check.
+
+The graph takes (N, S, S, C) uint8 images (NHWC, dynamic N) and returns ``probs`` (N, K) and
+``defect_score`` (N,); normalization is inside (``pipeline.model.DefectNet``). Parity: the exported
+model, run by the edge runner itself, must give the same class probabilities as PyTorch on the real
+test images, within ``export.max_abs_diff``; otherwise the export is broken and the stage fails.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+
+from pipeline.model import DefectNet, ExportHead
+from serving.card import ModelCard, sha256_file
+
+log = logging.getLogger(__name__)
+
+
+class ParityError(RuntimeError):
+    """The exported model scores differently from the trained one."""
+
+
+def export_onnx(
+    net: DefectNet, ok_index: int, size: int, channels: int, opset: int, path: Path, card: ModelCard
+) -> None:
+    head = ExportHead(net, ok_index).eval()
+    dummy = torch.zeros(2, size, size, channels, dtype=torch.uint8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.onnx.export(
+        head,
+        (dummy,),
+        str(path),
+        input_names=["image"],
+        output_names=["probs", "defect_score"],
+        dynamic_axes={"image": {0: "batch"}, "probs": {0: "batch"}, "defect_score": {0: "batch"}},
+        opset_version=opset,
+        dynamo=False,
+    )
+    model = onnx.load(str(path))
+    onnx.checker.check_model(model, full_check=True)  # full_check runs strict shape inference too
+    meta = json.loads(card.to_json())
+    meta.pop("sha256")  # a file cannot carry its own hash
+    onnx.helper.set_model_props(model, {"model_card": json.dumps(meta, sort_keys=True)})
+    onnx.save(model, str(path))
+
+
+def parity(torch_probs: np.ndarray, onnx_probs: np.ndarray, threshold: float, ok_index: int) -> dict:
+    diff = np.abs(torch_probs - onnx_probs)
+    flips = ((1 - torch_probs[:, ok_index]) >= threshold) != ((1 - onnx_probs[:, ok_index]) >= threshold)
+    return {
+        "max_abs_diff": float(diff.max()),
+        "mean_abs_diff": float(diff.mean()),
+        "decision_flips": int(flips.sum()),
+        "argmax_flips": int((torch_probs.argmax(1) != onnx_probs.argmax(1)).sum()),
+        "images": int(len(torch_probs)),
+    }
+
+
+def finish_card(card: ModelCard, model_path: Path, parity_report: dict) -> ModelCard:
+    from dataclasses import replace
+
+    card = replace(card, sha256=sha256_file(model_path), parity=parity_report)
+    card.write(model_path.with_name(model_path.stem + ".card.json"))
+    return card

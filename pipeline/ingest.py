@@ -1,0 +1,86 @@
+"""Ingest: bring labeled images into ``data/raw`` (synthetic generator or a folder of class subfolders).
+
+The raw copy is DVC-tracked, so every model can be traced to the exact bytes it was trained on, and
+nothing downstream ever touches the user's source folder.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+from pipeline.config import ConfigError, DataConfig
+
+log = logging.getLogger(__name__)
+
+IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp", ".gif"}
+
+
+def class_folders(source: Path) -> list[Path]:
+    """The class subfolders of a dataset folder (hidden folders skipped), with clear errors."""
+    if not source.exists():
+        raise ConfigError(f"data.source: folder {source} does not exist")
+    if not source.is_dir():
+        raise ConfigError(f"data.source: {source} is not a folder (expected one subfolder per class)")
+    folders = sorted(p for p in source.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not folders:
+        raise ConfigError(f"data.source: {source} has no class subfolders (expected e.g. ok/, scratch/, ...)")
+    if len(folders) < 2:
+        raise ConfigError(
+            f"data.source: {source} has a single class folder ({folders[0].name}); a defect model needs the OK "
+            "class and at least one defect class"
+        )
+    return folders
+
+
+def ingest_folder(source: Path, ok_class: str, images_dir: Path, masks_dir: Path) -> dict[str, int]:
+    """Copy every file under each class folder into ``images_dir/<class>/``.
+
+    All files are copied, not only known image extensions: the validate stage decides what is an image
+    and records why anything is rejected. Masks are taken from a sibling folder ``<source>_masks`` with
+    the same layout when it exists (``<class>/<stem>.png``).
+    """
+    folders = class_folders(source)
+    names = [f.name for f in folders]
+    if ok_class not in names:
+        raise ConfigError(f"data.ok_class: {ok_class!r} is not a class folder of {source} (found: {', '.join(names)})")
+    counts: dict[str, int] = {}
+    for folder in folders:
+        files = sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith("."))
+        for f in files:
+            dest = images_dir / folder.name / f.relative_to(folder)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, dest)
+        counts[folder.name] = len(files)
+    mask_source = source.with_name(source.name + "_masks")
+    if mask_source.is_dir():
+        for folder in folders:
+            if (mask_source / folder.name).is_dir():
+                shutil.copytree(mask_source / folder.name, masks_dir / folder.name, dirs_exist_ok=True)
+    return counts
+
+
+def ingest(cfg: DataConfig, out_dir: Path) -> dict:
+    """Fill ``out_dir/images`` (and ``out_dir/masks``) from ``cfg.source``; return a summary."""
+    if out_dir.exists():
+        shutil.rmtree(out_dir)  # a stage output: DVC expects it rebuilt from scratch
+    images_dir, masks_dir = out_dir / "images", out_dir / "masks"
+    images_dir.mkdir(parents=True)
+    masks_dir.mkdir(parents=True)
+    if cfg.source == "synthetic":
+        from pipeline import synthetic
+
+        records = synthetic.generate(
+            images_dir, masks_dir, cfg.synthetic.counts, cfg.synthetic.image_size, cfg.channels, cfg.seed
+        )
+        counts: dict[str, int] = {}
+        for r in records:
+            counts[r["label"]] = counts.get(r["label"], 0) + 1
+    else:
+        counts = ingest_folder(Path(cfg.source), cfg.ok_class, images_dir, masks_dir)
+    summary = {"source": cfg.source, "ok_class": cfg.ok_class, "counts": counts, "total": sum(counts.values())}
+    (out_dir / "ingest.json").write_text(json.dumps(summary, indent=2) + "\n")
+    log.info("ingested %d files from %s: %s", summary["total"], cfg.source, counts)
+    return summary

@@ -1,0 +1,85 @@
+"""The network: a timm EfficientNet behind a fixed input contract.
+
+``DefectNet`` takes what the runner feeds the exported graph, (N, H, W, C) uint8 pixels, and does the
+rest inside the module: to float, scale to [0, 1], normalize, NHWC -> NCHW. Training, evaluation and
+export all use this same module, so the normalization can never drift between them.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from pathlib import Path
+
+import timm
+import torch
+from torch import nn
+
+from pipeline.config import ConfigError, ModelConfig
+
+log = logging.getLogger(__name__)
+
+
+class DefectNet(nn.Module):
+    def __init__(self, backbone: nn.Module, mean: tuple[float, ...], std: tuple[float, ...]) -> None:
+        super().__init__()
+        self.backbone = backbone
+        # (1, C, 1, 1) so they broadcast over NCHW; scaled to the 0..255 pixel range once, here.
+        self.register_buffer("mean", torch.tensor(mean).view(1, -1, 1, 1) * 255.0, persistent=False)
+        self.register_buffer("inv_std", 1.0 / (torch.tensor(std).view(1, -1, 1, 1) * 255.0), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (N, H, W, C) uint8 or float pixels 0..255 -> logits (N, K)."""
+        x = x.permute(0, 3, 1, 2).float()  # NCHW view of NHWC memory: already channels_last
+        return self.backbone((x - self.mean) * self.inv_std)
+
+
+class ExportHead(nn.Module):
+    """What the ONNX graph computes: probabilities (N, K) and defect score (N,) = 1 - p(ok)."""
+
+    def __init__(self, net: DefectNet, ok_index: int) -> None:
+        super().__init__()
+        self.net = net
+        self.ok_index = ok_index
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = self.net(x).float().softmax(dim=1)
+        return probs, 1.0 - probs[:, self.ok_index]
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def create_model(cfg: ModelConfig, num_classes: int, in_chans: int) -> DefectNet:
+    """Build the network; ``cfg.pretrained`` is false, hub (needs internet) or a local weights file."""
+    try:
+        pretrained_cfg = timm.get_pretrained_cfg(cfg.name)
+    except RuntimeError:
+        pretrained_cfg = None
+    if not timm.is_model(cfg.name):
+        raise ConfigError(f"model.name: {cfg.name!r} is not a timm model (e.g. tf_efficientnet_lite0, efficientnet_b0)")
+    kwargs: dict = {"num_classes": num_classes, "in_chans": in_chans, "drop_rate": cfg.drop_rate}
+    if cfg.pretrained == "hub":
+        if not _hub_reachable():
+            raise ConfigError(
+                "model.pretrained: 'hub' needs internet access to download weights and none is reachable; "
+                "download the weights file elsewhere and set model.pretrained to its local path, or use false"
+            )
+        kwargs["pretrained"] = True
+    elif cfg.pretrained not in ("false", "", "none"):
+        path = Path(cfg.pretrained)
+        if not path.is_file():
+            raise ConfigError(f"model.pretrained: weights file {path} not found (use false, hub or a local path)")
+        # timm loads the file, drops the classifier when num_classes differs and adapts in_chans.
+        kwargs.update(pretrained=True, pretrained_cfg_overlay={"file": str(path)})
+    backbone = timm.create_model(cfg.name, **kwargs)
+    mean = tuple(pretrained_cfg.mean) if pretrained_cfg else (0.485, 0.456, 0.406)
+    std = tuple(pretrained_cfg.std) if pretrained_cfg else (0.229, 0.224, 0.225)
+    if in_chans == 1:  # grayscale: one channel with the average statistics
+        mean, std = (sum(mean) / len(mean),), (sum(std) / len(std),)
+    return DefectNet(backbone, mean, std)

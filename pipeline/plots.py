@@ -1,0 +1,75 @@
+"""Small matplotlib helpers: every plot a person would rather look at than read, as a PNG."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless: stages run without a display
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+def bar_chart(values: dict[str, float], title: str, path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(max(4, 0.8 * len(values) + 2), 3.2))
+    bars = ax.bar(list(values), list(values.values()), color="#4c72b0")
+    ax.bar_label(bars)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def confusion_matrix_plot(cm: np.ndarray, classes: list[str], title: str, path: Path) -> None:
+    """cm: (K, K) counts, rows = true class, columns = predicted class."""
+    fig, ax = plt.subplots(figsize=(1.0 * len(classes) + 2.5, 1.0 * len(classes) + 2))
+    norm = cm / np.maximum(cm.sum(axis=1, keepdims=True), 1)
+    ax.imshow(norm, cmap="Blues", vmin=0, vmax=1)
+    for i in range(len(classes)):
+        for j in range(len(classes)):
+            ax.text(j, i, str(int(cm[i, j])), ha="center", va="center", color="white" if norm[i, j] > 0.5 else "black")
+    ax.set_xticks(range(len(classes)), classes, rotation=45, ha="right")
+    ax.set_yticks(range(len(classes)), classes)
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def curves_plot(history: list[dict], keys: list[str], title: str, path: Path) -> None:
+    """One line per key over epochs; ``history`` rows are the per-epoch dicts of the train stage."""
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    epochs = [row["epoch"] for row in history]
+    for k in keys:
+        ax.plot(epochs, [row[k] for row in history], marker="o", label=k)
+    ax.set_xlabel("epoch")
+    ax.legend()
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def image_grid(
+    rows: list[list[np.ndarray]], row_titles: list[str], path: Path, col_titles: list[str] | None = None
+) -> None:
+    """Rows of (H, W, C) uint8 images in a grid with a title per row."""
+    n_rows, n_cols = len(rows), max(len(r) for r in rows)
+    fig, axes = plt.subplots(n_rows, n_cols, figsize=(1.6 * n_cols, 1.7 * n_rows), squeeze=False)
+    for i, row in enumerate(rows):
+        for j in range(n_cols):
+            ax = axes[i][j]
+            ax.axis("off")
+            if j < len(row):
+                img = row[j]
+                ax.imshow(img[:, :, 0] if img.shape[2] == 1 else img, cmap="gray", vmin=0, vmax=255)
+            if i == 0 and col_titles and j < len(col_titles):
+                ax.set_title(col_titles[j], fontsize=8)
+        axes[i][0].text(-0.08, 0.5, row_titles[i], transform=axes[i][0].transAxes, ha="right", va="center", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

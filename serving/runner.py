@@ -1,0 +1,194 @@
+"""Load an exported model with its card and score images: load -> verify -> warm up -> ready -> predict."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from serving.card import CardError, ModelCard, card_path_for, sha256_file
+from serving.preprocess import ImageDecodeError, load_image
+
+log = logging.getLogger(__name__)
+
+PROVIDER_NAMES = {
+    "tensorrt": "TensorrtExecutionProvider",
+    "cuda": "CUDAExecutionProvider",
+    "cpu": "CPUExecutionProvider",
+}
+
+
+class RunnerError(RuntimeError):
+    """The runner refuses to start; the message says why and what to do."""
+
+
+def _machine_has_nvidia_gpu() -> bool:
+    # onnxruntime-gpu lists CUDA and TensorRT as "available" even on a machine without a GPU, so
+    # "auto" looks for the device itself before asking for a GPU provider.
+    return Path("/dev/nvidiactl").exists() or Path("/proc/driver/nvidia").exists()
+
+
+def resolve_providers(requested: str | list[str]) -> list[str]:
+    """Turn ``auto`` or ``cuda,cpu`` into onnxruntime provider names, in order of preference."""
+    names = [requested] if isinstance(requested, str) else list(requested)
+    names = [n.strip().lower() for part in names for n in part.split(",") if n.strip()]
+    available = ort.get_available_providers()
+    if names == ["auto"]:
+        wanted = ["tensorrt", "cuda", "cpu"] if _machine_has_nvidia_gpu() else ["cpu"]
+        return [PROVIDER_NAMES[n] for n in wanted if PROVIDER_NAMES[n] in available]
+    unknown = [n for n in names if n not in PROVIDER_NAMES]
+    if unknown:
+        raise RunnerError(f"unknown provider {unknown[0]!r}: use auto or a list of {', '.join(PROVIDER_NAMES)}")
+    missing = [n for n in names if PROVIDER_NAMES[n] not in available]
+    if missing:
+        raise RunnerError(
+            f"provider {missing[0]!r} is not in this onnxruntime build (available: {', '.join(available)})"
+        )
+    return [PROVIDER_NAMES[n] for n in names]
+
+
+@dataclass
+class Prediction:
+    path: str
+    label: str | None  # predicted class, None when the image could not be read
+    probs: dict[str, float] | None
+    defect_score: float | None
+    decision: str | None  # "defect" or "ok"
+    latency_ms: float
+    error: str = ""
+
+
+class Runner:
+    """One loaded model. ``predict`` takes (N, H, W, C) uint8 batches; ``predict_files`` takes paths."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        card_path: str | Path | None = None,
+        providers: str | list[str] = "auto",
+        allow_cpu_fallback: bool = False,
+        force: bool = False,
+        threads: int = 0,
+        warmup: int = 2,
+        spin: bool = True,
+    ) -> None:
+        self.model_path = Path(model_path)
+        if not self.model_path.is_file():
+            raise RunnerError(f"{self.model_path}: model file not found")
+        self.card = ModelCard.read(card_path or card_path_for(self.model_path))
+        digest = sha256_file(self.model_path)
+        if self.card.sha256 != digest:
+            raise RunnerError(
+                f"{self.model_path}: sha256 {digest[:12]}... does not match the model card's "
+                f"{self.card.sha256[:12] or '(none)'}...: the file was changed or the card belongs to another model"
+            )
+        if not self.card.deployable and not force:
+            raise RunnerError(
+                f"{self.model_path}: the model card marks variant {self.card.variant!r} not deployable "
+                f"({self.card.not_deployable_reason}); pass force to load it anyway"
+            )
+        wanted = resolve_providers(providers)
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if threads:
+            options.intra_op_num_threads = threads
+        if not spin:
+            # Idle intra-op threads busy-wait for the next run by default (lower latency on a dedicated
+            # box); turn it off when other work shares the cores, e.g. side-by-side benchmarks.
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        options.log_severity_level = 3  # errors only: provider fallbacks are reported by us, below
+        self.session = ort.InferenceSession(str(self.model_path), options, providers=wanted)
+        self.providers = self.session.get_providers()
+        log.info("model %s (%s), providers in use: %s", self.card.name, self.card.variant, self.providers)
+        asked_gpu = any(p != "CPUExecutionProvider" for p in wanted)
+        got_gpu = any(p != "CPUExecutionProvider" for p in self.providers)
+        if asked_gpu and not got_gpu and not allow_cpu_fallback:
+            raise RunnerError(
+                f"asked for {wanted} but the session fell back to {self.providers}: the GPU provider could not "
+                "start (usually mismatched CUDA/cuDNN libraries or no GPU). Fix the libraries, or pass "
+                "--allow-cpu-fallback to run on the CPU."
+            )
+        self.input_name = self.session.get_inputs()[0].name
+        spec = self.card.input
+        self.input_shape = (spec.size, spec.size, spec.channels)
+        for _ in range(warmup):  # the first runs allocate and tune; pay for them before "ready"
+            self.predict(np.zeros((1, *self.input_shape), dtype=np.uint8))
+        self.ready = True
+
+    def predict(self, batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(N, H, W, C) uint8 -> probabilities (N, K) float32 and defect scores (N,) float32."""
+        if batch.dtype != np.uint8 or batch.shape[1:] != self.input_shape:
+            raise ValueError(
+                f"expected uint8 (N, {', '.join(map(str, self.input_shape))}), got {batch.dtype} {tuple(batch.shape)}"
+            )
+        probs, score = self.session.run(["probs", "defect_score"], {self.input_name: batch})
+        return probs, score
+
+    def load(self, source: str | Path | bytes) -> np.ndarray:
+        spec = self.card.input
+        return load_image(source, spec.size, spec.channels, spec.resize)
+
+    def decide(self, probs: np.ndarray, score: float) -> tuple[str, str]:
+        label = self.card.classes[int(np.argmax(probs))]
+        return label, ("defect" if score >= self.card.threshold else "ok")
+
+    def predict_files(self, paths: Iterable[str | Path], batch_size: int = 16) -> Iterator[Prediction]:
+        """Score files in batches; a file that cannot be read yields an error row, never an exception."""
+        pending: list[tuple[str, np.ndarray, float]] = []
+
+        def flush() -> Iterator[Prediction]:
+            t0 = time.perf_counter()
+            probs, scores = self.predict(np.stack([img for _, img, _ in pending]))
+            infer_ms = (time.perf_counter() - t0) * 1000 / len(pending)
+            for (path, _, decode_ms), p, s in zip(pending, probs, scores, strict=True):
+                label, decision = self.decide(p, float(s))
+                yield Prediction(
+                    path,
+                    label,
+                    dict(zip(self.card.classes, map(float, p), strict=True)),
+                    float(s),
+                    decision,
+                    decode_ms + infer_ms,
+                )
+            pending.clear()
+
+        for path in paths:
+            t0 = time.perf_counter()
+            try:
+                img = self.load(path)
+            except (ImageDecodeError, OSError) as exc:
+                yield Prediction(str(path), None, None, None, None, (time.perf_counter() - t0) * 1000, str(exc))
+                continue
+            pending.append((str(path), img, (time.perf_counter() - t0) * 1000))
+            if len(pending) >= batch_size:
+                yield from flush()
+        if pending:
+            yield from flush()
+
+
+def expand_inputs(inputs: Iterable[str]) -> list[Path]:
+    """Files, folders (recursively) and globs -> a sorted list of files."""
+    import glob
+
+    files: list[Path] = []
+    for item in inputs:
+        p = Path(item)
+        if p.is_dir():
+            files += sorted(f for f in p.rglob("*") if f.is_file())
+        elif p.is_file():
+            files.append(p)
+        else:
+            matches = sorted(Path(m) for m in glob.glob(item, recursive=True) if os.path.isfile(m))
+            if not matches:
+                raise RunnerError(f"{item}: no such file, folder or matching glob")
+            files += matches
+    return files
+
+
+__all__ = ["CardError", "Prediction", "Runner", "RunnerError", "expand_inputs", "resolve_providers"]

@@ -1,0 +1,37 @@
+"""Stage evaluate: test metrics, the val-chosen threshold and plots, logged to the model's MLflow run."""
+
+from pathlib import Path
+
+from pipeline import tracking
+from pipeline.entry import run_stage
+from pipeline.evaluate import evaluate, log_to_mlflow, softmax
+from pipeline.prepare import load_split
+from pipeline.runtime import resolve_runtime
+from pipeline.train import load_model, predict_logits
+
+
+def main(params):
+    net, meta = load_model(Path("models/train/model.pt"), params)
+    rt = resolve_runtime(params.train.device, params.train.precision)
+    net = net.to(rt.device)
+    x_val, y_val, _ = load_split(Path("data/prepared"), "val")
+    x_test, y_test, _ = load_split(Path("data/prepared"), "test")
+    val_probs, test_probs = (softmax(predict_logits(net, x, rt)) for x in (x_val, x_test))
+    out = Path("reports/evaluate")
+    metrics = evaluate(
+        val_probs,
+        y_val,
+        test_probs,
+        y_test,
+        meta["classes"],
+        meta["ok_class"],
+        params.evaluate.target_defect_recall,
+        out,
+    )
+    with tracking.resume_run(params.mlflow, Path("models/train/run.json")):
+        log_to_mlflow(metrics, out)
+    print(f"evaluate: {metrics}")
+
+
+if __name__ == "__main__":
+    run_stage("evaluate", main)

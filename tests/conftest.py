@@ -1,0 +1,69 @@
+"""Shared fixtures: tiny synthetic data and a tiny trained model, made once per test session."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+REAL_DATA = Path(os.environ.get("DEFECT_REAL_DATA", ROOT.parent / "shared" / "datasets" / "magnetic_tile"))
+
+
+def load_default_params() -> dict:
+    return yaml.safe_load((ROOT / "params.yaml").read_text())
+
+
+def tiny_params(**overrides) -> dict:
+    """The default params shrunk to seconds: 64 px, a few images per class, one epoch."""
+    p = load_default_params()
+    p["data"]["synthetic"] = {"counts": {"ok": 24, "scratch": 12, "spot": 12, "crack": 12}, "image_size": 64}
+    p["prepare"]["image_size"] = 64
+    p["prepare"]["split"] = {"val": 0.2, "test": 0.2}
+    p["validate"]["min_per_class"] = 2
+    p["augment"]["preview_per_class"] = 2
+    p["train"].update(epochs=1, batch_size=8, num_workers=0)
+    p["benchmark"].update(batch_sizes=[1, 4], repeats=5, warmup=1, max_images=16)
+    for dotted, value in overrides.items():
+        section, key = dotted.split(".", 1)
+        p[section][key] = value
+    return p
+
+
+def copy_project(dest: Path) -> Path:
+    """A copy of the project's source files (what a fresh clone has) in ``dest``, as a git repo."""
+    files = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    for f in files:
+        src = ROOT / f
+        if src.is_file():
+            (dest / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / f)
+    subprocess.run(["git", "init", "-q"], cwd=dest, check=True)
+    return dest
+
+
+def venv_env() -> dict[str, str]:
+    """Environment whose PATH finds this interpreter's python and dvc first (as `make` sets it)."""
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.pop("MLFLOW_TRACKING_URI", None)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+@pytest.fixture(scope="session")
+def real_data() -> Path:
+    if not (REAL_DATA / "free").is_dir():
+        pytest.skip(f"real defect photographs not found at {REAL_DATA} (set DEFECT_REAL_DATA)")
+    return REAL_DATA

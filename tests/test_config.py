@@ -1,0 +1,65 @@
+"""params.yaml is checked strictly: every mistake names its key."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import yaml
+
+from pipeline.config import ConfigError, load_params, params_from_dict
+from tests.conftest import ROOT, load_default_params
+
+
+def test_the_shipped_params_load():
+    p = load_params(ROOT / "params.yaml")
+    assert p.data.source == "synthetic" and p.prepare.image_size >= 32
+    assert isinstance(p.train.lr, float)
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda p: p["train"].pop("lr"), "train.lr: missing key"),
+        (lambda p: p["train"].update(learning_rate=0.1), "train.learning_rate: unknown key"),
+        (lambda p: p["train"].update(lr="fast"), "train.lr: expected a number, got 'fast'"),
+        (lambda p: p["train"].update(epochs=2.5), "train.epochs: expected an integer"),
+        (lambda p: p["prepare"].update(resize="crop"), "prepare.resize: expected one of ['letterbox', 'squash']"),
+        (lambda p: p["data"].update(channels=2), "data.channels: expected one of [1, 3]"),
+        (lambda p: p["data"]["synthetic"]["counts"].update(ok="many"), "data.synthetic.counts.ok: expected an integer"),
+        (lambda p: p.pop("export"), "export: missing key"),
+        (lambda p: p.update(extra={}), "extra: unknown key"),
+        (lambda p: p["prepare"]["split"].update(val=0.6, test=0.4), "prepare.split"),
+        (lambda p: p["data"].update(ok_class="good"), "data.ok_class"),
+    ],
+)
+def test_a_mistake_names_the_key(mutate, message):
+    raw = copy.deepcopy(load_default_params())
+    mutate(raw)
+    with pytest.raises(ConfigError) as exc:
+        params_from_dict(raw)
+    assert message in str(exc.value)
+    assert str(exc.value).startswith("params.yaml: ")
+
+
+def test_bad_yaml_and_missing_file_are_clear(tmp_path):
+    with pytest.raises(ConfigError, match="file not found"):
+        load_params(tmp_path / "nope.yaml")
+    bad = tmp_path / "params.yaml"
+    bad.write_text("train: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_params(bad)
+
+
+def test_params_are_frozen():
+    p = params_from_dict(load_default_params())
+    with pytest.raises(AttributeError):
+        p.train.lr = 1.0  # type: ignore[misc]
+
+
+def test_yaml_false_stays_a_string_for_pretrained(tmp_path):
+    raw = load_default_params()
+    raw["model"]["pretrained"] = False
+    f = tmp_path / "p.yaml"
+    f.write_text(yaml.safe_dump(raw))
+    assert load_params(f).model.pretrained == "false"

@@ -1,0 +1,100 @@
+"""The whole chain through real DVC: `dvc repro` on a tiny configuration, then a no-op repro."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import copy_project, tiny_params, venv_env
+
+
+def dvc(cwd: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [sys.executable, "-m", "dvc", *args], cwd=cwd, env=venv_env(), capture_output=True, text=True, timeout=900
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"dvc {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture(scope="module")
+def repro(tmp_path_factory) -> Path:
+    project = copy_project(tmp_path_factory.mktemp("project"))
+    (project / "params.yaml").write_text(yaml.safe_dump(tiny_params(), sort_keys=False))
+    proc = dvc(project, "repro")
+    (project / "repro.log").write_text(proc.stdout + proc.stderr)
+    return project
+
+
+def test_every_stage_wrote_its_outputs(repro: Path):
+    for path in [
+        "data/raw/images/ok",
+        "data/raw/masks/crack",
+        "data/validated/manifest.csv",
+        "data/prepared/train.npz",
+        "reports/augment/preview.png",
+        "models/train/model.pt",
+        "reports/train/history.csv",
+        "reports/evaluate/confusion_matrix.png",
+        "models/export/model.onnx",
+        "models/export/model.card.json",
+        "reports/benchmark/metrics.json",
+        "mlflow.db",
+    ]:
+        assert (repro / path).exists(), f"{path} missing after dvc repro"
+    summary = json.loads((repro / "reports/validate/summary.json").read_text())
+    assert summary["accepted"] == 60 and summary["quarantined"] == 0
+    card = json.loads((repro / "models/export/model.card.json").read_text())
+    assert card["classes"] == ["crack", "ok", "scratch", "spot"] and card["ok_class"] == "ok"
+    assert card["input"] == {"size": 64, "channels": 3, "resize": "letterbox", "layout": "NHWC", "dtype": "uint8"}
+    parity = json.loads((repro / "reports/export/parity.json").read_text())
+    assert parity["max_abs_diff"] <= parity["limit"]
+    bench = json.loads((repro / "reports/benchmark/metrics.json").read_text())
+    assert bench["batch_1"]["runner"]["p50_ms"] > 0 and bench["batch_4"]["speedup_p50"] > 0
+
+
+def test_metrics_show_lists_evaluation_and_benchmark(repro: Path):
+    out = dvc(repro, "metrics", "show", "--json").stdout
+    metrics = json.loads(out)
+    files = {f for ws in metrics.values() for f in ws["data"]}
+    assert {"reports/evaluate/metrics.json", "reports/benchmark/metrics.json"} <= files
+    evaluation = metrics[""]["data"]["reports/evaluate/metrics.json"]["data"]
+    assert 0 <= evaluation["accuracy"] <= 1 and 0 <= evaluation["threshold"] <= 1
+
+
+def test_dag_is_the_chain(repro: Path):
+    out = dvc(repro, "dag", "--md").stdout
+    for a, b in [
+        ("ingest", "validate"),
+        ("validate", "prepare"),
+        ("prepare", "augment"),
+        ("augment", "train"),
+        ("train", "evaluate"),
+        ("evaluate", "export"),
+        ("export", "benchmark"),
+    ]:
+        assert f"{a} --> {b}" in out.replace('"', ""), f"no edge {a} -> {b} in:\n{out}"
+
+
+def test_second_repro_reruns_nothing(repro: Path):
+    out = dvc(repro, "repro").stdout
+    assert "Running stage" not in out, out
+    status = dvc(repro, "status").stdout
+    assert "up to date" in status, status
+
+
+def test_one_mlflow_run_holds_every_stage(repro: Path):
+    import mlflow
+
+    run_id = json.loads((repro / "models/train/run.json").read_text())["run_id"]
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{repro / 'mlflow.db'}")
+    run = client.get_run(run_id)
+    assert "val_loss" in run.data.metrics and "test_accuracy" in run.data.metrics
+    assert "export_max_abs_diff" in run.data.metrics and "bench_batch_1_speedup" in run.data.metrics
+    assert run.data.params["model.name"] == "tf_efficientnet_lite0"
+    assert run.data.tags["git.commit"]
