@@ -67,3 +67,37 @@ def real_data() -> Path:
     if not (REAL_DATA / "free").is_dir():
         pytest.skip(f"real defect photographs not found at {REAL_DATA} (set DEFECT_REAL_DATA)")
     return REAL_DATA
+
+
+def run_stages_in(workdir: Path, params: dict, stages: list[str]) -> None:
+    """Run stage entries in-process-free subprocesses, as DVC would, inside ``workdir``."""
+    (workdir / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    for stage in stages:
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "stages" / f"{stage}.py")],
+            cwd=workdir,
+            env=venv_env(),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        if proc.returncode != 0:
+            raise AssertionError(f"stage {stage} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+
+
+@pytest.fixture(scope="session")
+def prepared_project(tmp_path_factory) -> Path:
+    """A work folder with ingested, validated and prepared tiny synthetic data."""
+    work = tmp_path_factory.mktemp("prepared")
+    run_stages_in(work, tiny_params(), ["ingest", "validate", "prepare", "augment"])
+    return work
+
+
+@pytest.fixture(scope="session")
+def exported_project(tmp_path_factory, prepared_project) -> Path:
+    """The prepared folder copied and carried through train, evaluate and export (timm's tiny test net)."""
+    work = tmp_path_factory.mktemp("exported")
+    shutil.copytree(prepared_project, work, dirs_exist_ok=True)
+    params = tiny_params(**{"model.name": "test_efficientnet"})
+    run_stages_in(work, params, ["train", "evaluate", "export"])
+    return work
