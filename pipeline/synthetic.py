@@ -85,7 +85,7 @@ def _brushed_metal(rng: np.random.Generator, s: int, yy: Array, xx: Array) -> Su
     n = math.ceil(1.5 * s)  # larger canvas so the rotation leaves no empty corners
     cols = max(2, int(n / rng.uniform(6, 25)))  # stretch factor = streak length in px
     rows = rng.standard_normal((n, cols), dtype=F32)
-    rows[rng.integers(0, n, rng.integers(2, 8))] *= F32(rng.uniform(1.5, 2.5))  # a few deeper grooves
+    rows[rng.integers(0, n, rng.integers(2, 8))] *= F32(rng.uniform(1.3, 2.0))  # a few deeper grooves
     streak = cv2.resize(rows, (n, n), interpolation=cv2.INTER_CUBIC)
     fine = cv2.resize(rng.random((n, cols * 4), dtype=F32) - F32(0.5), (n, n), interpolation=cv2.INTER_LINEAR)
     tex = streak + F32(rng.uniform(0.3, 0.8)) * fine
@@ -93,7 +93,7 @@ def _brushed_metal(rng: np.random.Generator, s: int, yy: Array, xx: Array) -> Su
     m = cv2.getRotationMatrix2D((n / 2, n / 2), angle, 1.0)
     m[:, 2] -= (n - s) / 2  # centre crop of the rotated canvas
     tex = _normalise(cv2.warpAffine(tex, m, (s, s), flags=cv2.INTER_LINEAR, borderMode=cv2.BORDER_REFLECT))
-    tex += _specks(rng, s, int(rng.integers(0, 6)), rng.uniform(0.6, 1.0), (2.0, 4.5))  # glints
+    tex += _specks(rng, s, int(rng.integers(0, 6)), rng.uniform(0.6, 1.0), (2.5, 6.0))  # glints
     # Specular highlight: a band parallel to the grain, as on a lit cylinder or polished sheet.
     t = math.radians(angle)
     v = (xx - s / 2) * math.sin(t) + (yy - s / 2) * math.cos(t)
@@ -116,7 +116,7 @@ def _woven_fabric(rng: np.random.Generator, s: int, yy: Array, xx: Array) -> Sur
     lut = rng.normal(0, rng.uniform(0.05, 0.2), 64).astype(F32)
     tex = tex + lut[np.where(over, iu, iv + 32).astype(np.intp) % 64]
     tex = _normalise(cv2.GaussianBlur(tex.astype(F32), (0, 0), 0.5))  # fibres are not pixel-sharp
-    tex += _specks(rng, s, int(rng.integers(0, 7)), rng.uniform(0.8, 1.4), (2.0, 4.0))  # knots, slubs
+    tex += _specks(rng, s, int(rng.integers(0, 7)), rng.uniform(0.8, 1.4), (2.5, 5.5))  # knots, slubs
     return tex, None
 
 
@@ -125,11 +125,17 @@ def _stone_grain(rng: np.random.Generator, s: int, yy: Array, xx: Array) -> Surf
     tex = sum(_grid_noise(rng, s, c) * F32(c**-beta) for c in (3, 6, 12, 24, 48))
     tex = tex + F32(rng.uniform(0.3, 1.4) * 48**-beta) * (rng.random((s, s), dtype=F32) - F32(0.5))
     tex = _normalise(tex)
-    tex += _specks(rng, s, int(rng.integers(10, 70)), rng.uniform(0.5, 1.1), (2.0, 5.0))  # speckles, pits
+    tex += _specks(rng, s, int(rng.integers(10, 70)), rng.uniform(0.5, 1.1), (2.5, 6.0))  # speckles, pits
     return tex, None
 
 
 _FAMILIES = {"brushed_metal": _brushed_metal, "woven_fabric": _woven_fabric, "stone_grain": _stone_grain}
+
+
+def _contrast(rng: np.random.Generator, lo: float, mid: float, hi: float) -> float:
+    """Defect contrast in units of the local texture std: one defect in five is faint (lo..mid), the rest
+    clearly visible (mid..hi), so the faint ones are a hard minority rather than label noise."""
+    return rng.uniform(lo, mid) if rng.random() < 0.2 else rng.uniform(mid, hi)
 
 
 def _hires(s: int, draw: Callable[[Array], object]) -> Array:
@@ -156,8 +162,8 @@ def _scratch(rng: np.random.Generator, s: int, m: float, yy: Array, xx: Array) -
     geom = _hires(s, lambda cv: _poly(cv, pts, int(rng.integers(2, 7))))  # 1-3 px after reduction
     # Depth varies along a real scratch: fade linearly between two random levels from end to end.
     along = np.clip(((xx - a[0]) * (b[0] - a[0]) + (yy - a[1]) * (b[1] - a[1])) / length**2, 0, 1)
-    f0, f1 = rng.uniform(0.6, 1.0, 2)
-    contrast = math.exp(rng.uniform(math.log(1.5), math.log(4.5)))
+    f0, f1 = rng.uniform(0.7, 1.0, 2)
+    contrast = _contrast(rng, 1.8, 2.6, 6.0)
     return geom * (f0 + (f1 - f0) * along), geom >= 0.3, rng.choice([-1.0, 1.0]), contrast, 0.0
 
 
@@ -183,7 +189,7 @@ def _spot(rng: np.random.Generator, s: int, m: float, yy: Array, xx: Array) -> D
         w = rng.uniform(0.08, 0.2)
         profile = np.maximum(profile * rng.uniform(0.3, 0.8), np.exp(-(((d - 1) / w) ** 2)))
         extent += w
-    contrast = math.exp(rng.uniform(math.log(2.0), math.log(5.0)))
+    contrast = _contrast(rng, 1.8, 2.6, 5.0)
     # A stain covers the grain: inside it the texture is pulled towards the surrounding level, so the spot
     # is a blob of its own against whatever cloud of the texture lies beneath it.
     sign, cover = (-1.0 if rng.random() < 0.65 else 1.0), rng.uniform(0.5, 0.9)
@@ -219,7 +225,7 @@ def _crack(rng: np.random.Generator, s: int, m: float, yy: Array, xx: Array) -> 
         head = math.atan2(seg[1], seg[0]) + rng.choice([-1, 1]) * rng.uniform(0.4, 1.1)
         paths.append((_walk(rng, main[i], head, rng.uniform(0.3, 0.6) * length, s, m), 2))
     geom = _hires(s, lambda cv: [_poly(cv, p, t) for p, t in paths])
-    contrast = math.exp(rng.uniform(math.log(1.5), math.log(4.5)))
+    contrast = _contrast(rng, 2.0, 2.8, 6.0)
     return geom, geom >= 0.3, -1.0, contrast, 0.0
 
 
