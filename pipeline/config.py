@@ -70,6 +70,8 @@ class ModelConfig:
     name: str  # a timm model name
     pretrained: str  # "false", "hub" or a path to a local weights file
     drop_rate: float
+    global_pool: Literal["avg", "max", "avgmax"]  # max keeps a small defect from being averaged away
+    input_norm: Literal["dataset", "per_image"]  # per_image: standardize each image (lighting-invariant)
 
 
 @dataclass(frozen=True)

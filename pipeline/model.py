@@ -21,9 +21,12 @@ log = logging.getLogger(__name__)
 
 
 class DefectNet(nn.Module):
-    def __init__(self, backbone: nn.Module, mean: tuple[float, ...], std: tuple[float, ...]) -> None:
+    def __init__(
+        self, backbone: nn.Module, mean: tuple[float, ...], std: tuple[float, ...], per_image: bool = False
+    ) -> None:
         super().__init__()
         self.backbone = backbone
+        self.per_image = per_image
         # (1, C, 1, 1) so they broadcast over NCHW; scaled to the 0..255 pixel range once, here.
         self.register_buffer("mean", torch.tensor(mean).view(1, -1, 1, 1) * 255.0, persistent=False)
         self.register_buffer("inv_std", 1.0 / (torch.tensor(std).view(1, -1, 1, 1) * 255.0), persistent=False)
@@ -31,6 +34,13 @@ class DefectNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (N, H, W, C) uint8 or float pixels 0..255 -> logits (N, K)."""
         x = x.permute(0, 3, 1, 2).float()  # NCHW view of NHWC memory: already channels_last
+        if self.per_image:
+            # Each image to zero mean, unit std over all its pixels: the global brightness and contrast of
+            # a shot (lamp ageing, exposure, material tint) stop mattering, local structure remains.
+            # The +1 (in 0..255 units) keeps a flat image from being blown up to noise.
+            mean = x.mean(dim=(1, 2, 3), keepdim=True)
+            std = ((x - mean) ** 2).mean(dim=(1, 2, 3), keepdim=True).sqrt()
+            return self.backbone((x - mean) / (std + 1.0))
         return self.backbone((x - self.mean) * self.inv_std)
 
 
@@ -63,7 +73,12 @@ def create_model(cfg: ModelConfig, num_classes: int, in_chans: int) -> DefectNet
         pretrained_cfg = None
     if not timm.is_model(cfg.name):
         raise ConfigError(f"model.name: {cfg.name!r} is not a timm model (e.g. tf_efficientnet_lite0, efficientnet_b0)")
-    kwargs: dict = {"num_classes": num_classes, "in_chans": in_chans, "drop_rate": cfg.drop_rate}
+    kwargs: dict = {
+        "num_classes": num_classes,
+        "in_chans": in_chans,
+        "drop_rate": cfg.drop_rate,
+        "global_pool": cfg.global_pool,
+    }
     if cfg.pretrained == "hub":
         if not _hub_reachable():
             raise ConfigError(
@@ -78,8 +93,20 @@ def create_model(cfg: ModelConfig, num_classes: int, in_chans: int) -> DefectNet
         # timm loads the file, drops the classifier when num_classes differs and adapts in_chans.
         kwargs.update(pretrained=True, pretrained_cfg_overlay={"file": str(path)})
     backbone = timm.create_model(cfg.name, **kwargs)
+    head = backbone.get_classifier()
+    if isinstance(head, nn.Linear):
+        # A fresh EfficientNet's logits start with a std of ~10 (loss ~5 for 4 classes), and the first
+        # epochs are spent shrinking them. A zero classifier starts every class at equal odds (loss ln K).
+        nn.init.zeros_(head.weight)
+        nn.init.zeros_(head.bias)
+    if kwargs.get("pretrained") is None:
+        # TF-ported variants use BatchNorm momentum 0.01, tuned for ImageNet's ~1M steps; with a few
+        # hundred steps the running statistics would still be mostly their initial values at eval time.
+        for m in backbone.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.momentum = 0.1
     mean = tuple(pretrained_cfg.mean) if pretrained_cfg else (0.485, 0.456, 0.406)
     std = tuple(pretrained_cfg.std) if pretrained_cfg else (0.229, 0.224, 0.225)
     if in_chans == 1:  # grayscale: one channel with the average statistics
         mean, std = (sum(mean) / len(mean),), (sum(std) / len(std),)
-    return DefectNet(backbone, mean, std)
+    return DefectNet(backbone, mean, std, per_image=cfg.input_norm == "per_image")

@@ -136,7 +136,13 @@ def load_model(path: Path, params: Params) -> tuple[DefectNet, dict]:
     if ckpt is None:
         raise FileNotFoundError(f"{path}: no readable trained model (run the train stage)")
     meta = ckpt["meta"]
-    cfg = ModelConfig(name=meta["architecture"], pretrained="false", drop_rate=params.model.drop_rate)
+    cfg = ModelConfig(
+        name=meta["architecture"],
+        pretrained="false",
+        drop_rate=0.0,
+        global_pool=meta["global_pool"],
+        input_norm=meta["input_norm"],
+    )
     net = create_model(cfg, len(meta["classes"]), meta["channels"])
     net.load_state_dict(ckpt["model"])
     return net.eval(), meta
@@ -199,6 +205,8 @@ def train(params: Params, prepared_dir: Path, out_dir: Path, reports_dir: Path) 
 
     meta = {
         "architecture": params.model.name,
+        "global_pool": params.model.global_pool,
+        "input_norm": params.model.input_norm,
         "classes": classes,
         "ok_class": info["ok_class"],
         "channels": channels,
