@@ -124,7 +124,7 @@ def _woven_fabric(rng: np.random.Generator, s: int, yy: Array, xx: Array) -> Sur
 
 
 def _stone_grain(rng: np.random.Generator, s: int, yy: Array, xx: Array) -> Surface:
-    beta = rng.uniform(0.3, 0.8)  # spectral slope: from sandy grain to mildly cloudy stone
+    beta = rng.uniform(0.2, 0.6)  # spectral slope: from sandy grain to mildly cloudy stone
     tex = sum(_grid_noise(rng, s, c) * F32(c**-beta) for c in (3, 6, 12, 24, 48))
     tex = tex + F32(rng.uniform(0.3, 1.4) * 48**-beta) * (rng.random((s, s), dtype=F32) - F32(0.5))
     tex = _normalise(tex)
@@ -187,7 +187,7 @@ def _spot(rng: np.random.Generator, s: int, m: float, yy: Array, xx: Array) -> D
     for k in (2, 3, 5):
         wobble += F32(rng.uniform(0, 0.08)) * (unit**k * np.exp(1j * rng.uniform(0, 6.3))).imag
     d = rho / (r * wobble)  # 1 on the (irregular) rim
-    soft = rng.uniform(0.05, 0.15)
+    soft = rng.uniform(0.02, 0.08)  # a stain has a visible boundary; the texture's clouds do not
     profile = 1 / (1 + np.exp(np.clip((d - 1) / soft, -30, 30)))  # soft-edged stain
     extent = 1.0
     if rng.random() < 0.35:  # dried stain: darker/lighter rim, weaker centre

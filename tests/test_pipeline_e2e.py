@@ -68,7 +68,7 @@ def test_metrics_show_lists_evaluation_and_benchmark(repro: Path):
 
 
 def test_dag_is_the_chain(repro: Path):
-    out = dvc(repro, "dag", "--md").stdout
+    out = dvc(repro, "dag", "--dot").stdout
     for a, b in [
         ("ingest", "validate"),
         ("validate", "prepare"),
@@ -78,7 +78,7 @@ def test_dag_is_the_chain(repro: Path):
         ("evaluate", "export"),
         ("export", "benchmark"),
     ]:
-        assert f"{a} --> {b}" in out.replace('"', ""), f"no edge {a} -> {b} in:\n{out}"
+        assert f'"{a}" -> "{b}"' in out, f"no edge {a} -> {b} in:\n{out}"
 
 
 def test_second_repro_reruns_nothing(repro: Path):
