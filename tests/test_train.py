@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import subprocess
@@ -18,6 +19,17 @@ from tests.conftest import ROOT, run_stages_in, tiny_params, venv_env
 
 PARAMS = tiny_params(**{"model.name": "test_efficientnet"})
 PARAMS["train"]["epochs"] = 4
+
+
+def run_train(workdir: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "stages/train.py")],
+        cwd=workdir,
+        env=venv_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def weights(path: Path) -> dict[str, torch.Tensor]:
@@ -50,20 +62,14 @@ def test_killed_training_resumes_to_identical_weights(prepared_project, uninterr
     proc.wait()
     ckpt = checkpoint.load(last)
     assert ckpt is not None and ckpt["epoch"] < PARAMS["train"]["epochs"], "the run finished before it was killed"
-    resumed = subprocess.run(
-        [sys.executable, str(ROOT / "stages/train.py")],
-        cwd=tmp_path,
-        env=venv_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    resumed = run_train(tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"resuming from models/train/checkpoints/last.pt after epoch {ckpt['epoch']}" in resumed.stderr
     a, b = weights(uninterrupted / "models/train/model.pt"), weights(tmp_path / "models/train/model.pt")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    # Both runs report the same curves, and the resumed one continued the same MLflow run.
-    assert (uninterrupted / "reports/train/history.csv").read_text().count("\n") == 5
+    # The resumed run reports every epoch and continued the MLflow run the killed one had opened.
+    assert (tmp_path / "reports/train/history.csv").read_text().count("\n") == PARAMS["train"]["epochs"] + 1
+    assert json.loads((tmp_path / "models/train/run.json").read_text())["run_id"] == ckpt["run_id"]
 
 
 def test_checkpoint_of_other_params_is_not_resumed_silently(uninterrupted, tmp_path):
@@ -71,14 +77,7 @@ def test_checkpoint_of_other_params_is_not_resumed_silently(uninterrupted, tmp_p
     changed = tiny_params(**{"model.name": "test_efficientnet"})
     changed["train"].update(epochs=4, lr=0.001)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(changed, sort_keys=False))
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "stages/train.py")],
-        cwd=tmp_path,
-        env=venv_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_train(tmp_path)
     assert proc.returncode == 0
     assert "was trained on other params or data" in proc.stderr and "starting fresh" in proc.stderr
 
