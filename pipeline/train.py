@@ -129,7 +129,8 @@ def save_model(net: DefectNet, meta: dict, path: Path) -> None:
     checkpoint.save_atomic({"version": checkpoint.CHECKPOINT_VERSION, "model": net.state_dict(), "meta": meta}, path)
 
 
-def load_model(path: Path, params: Params) -> tuple[DefectNet, dict]:
+def load_model(path: Path) -> tuple[DefectNet, dict]:
+    """The consolidated model and its meta; everything needed to rebuild it is in the file itself."""
     from pipeline.config import ModelConfig
 
     ckpt = checkpoint.load(path)

@@ -19,7 +19,7 @@ def main(params):
     x_test, _, paths = load_split(Path("data/prepared"), "test")
     x_test, paths = x_test[: cfg.max_images], paths[: cfg.max_images]
     runner = Runner("models/export/model.onnx", providers="cpu", spin=False)  # spinning would starve torch
-    net, _ = load_model(Path("models/train/model.pt"), params)
+    net, _ = load_model(Path("models/train/model.pt"))
 
     def eager(batch):
         with torch.inference_mode():

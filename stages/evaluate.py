@@ -11,7 +11,7 @@ from pipeline.train import load_model, predict_logits
 
 
 def main(params):
-    net, meta = load_model(Path("models/train/model.pt"), params)
+    net, meta = load_model(Path("models/train/model.pt"))
     rt = resolve_runtime(params.train.device, params.train.precision)
     net = net.to(rt.device)
     x_val, y_val, _ = load_split(Path("data/prepared"), "val")

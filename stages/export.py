@@ -15,7 +15,7 @@ from serving.runner import Runner
 
 
 def main(params):
-    net, meta = load_model(Path("models/train/model.pt"), params)
+    net, meta = load_model(Path("models/train/model.pt"))
     run_id = tracking.read_run_id(Path("models/train/run.json"))
     threshold = json.loads(Path("reports/evaluate/metrics.json").read_text())["threshold"]
     card = ModelCard(

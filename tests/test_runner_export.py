@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import params_from_dict
 from pipeline.evaluate import softmax
 from pipeline.export import export_onnx, parity
 from pipeline.model import DefectNet
@@ -21,16 +20,14 @@ from pipeline.train import load_model, predict_logits
 from serving.card import ModelCard
 from serving.preprocess import load_image
 from serving.runner import Runner, RunnerError
-from tests.conftest import ROOT, tiny_params, venv_env
+from tests.conftest import ROOT, venv_env
 
 CPU = resolve_runtime("cpu", "fp32")
 
 
 @pytest.fixture(scope="module")
 def model(exported_project):
-    net, meta = load_model(
-        exported_project / "models/train/model.pt", params_from_dict(tiny_params(**{"model.name": "test_efficientnet"}))
-    )
+    net, meta = load_model(exported_project / "models/train/model.pt")
     return net, meta, exported_project / "models/export/model.onnx"
 
 
