@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup run test test-all ui lint bench gpu-check clean
+.PHONY: setup run test ui lint bench-train gpu-check clean
 
 # The venv is rebuilt when the pinned requirements change. torch 2.14.1 / torchvision 0.29.1 are pinned
 # because they install from this machine's disk; other versions download gigabytes.
@@ -30,6 +30,14 @@ ui: setup
 
 lint: setup
 	ruff check .
+
+# Training throughput on this CPU: the train stage's loop vs a plain PyTorch loop, side by side.
+bench-train: setup
+	python benchmarks/train_throughput.py --mode loop --steps 8 --rounds 5
+
+# On a machine with an NVIDIA GPU and its own python3 (torch, timm, pytest): gpu tests + GPU benchmark.
+gpu-check:
+	scripts/gpu_check.sh
 
 clean:
 	rm -rf data models mlartifacts mlflow.db .dvc/cache .dvc/tmp

@@ -60,7 +60,11 @@ def save_policy(compose: A.Compose, path: Path) -> None:
 
 
 class ImageDataset(Dataset):
-    """Packed (N, H, W, C) uint8 images with labels; applies the policy on the fly (training only)."""
+    """Packed (N, H, W, C) uint8 images with labels; applies the policy on the fly (training only).
+
+    An item key is an index, or ``(index, seed)``: the policy is then seeded for that one image, so an
+    image's augmentation depends on the seed alone, not on worker count or on where a run resumed.
+    """
 
     def __init__(self, images: np.ndarray, labels: np.ndarray, transform: A.Compose | None = None) -> None:
         self.images, self.labels, self.transform = images, labels, transform
@@ -68,19 +72,14 @@ class ImageDataset(Dataset):
     def __len__(self) -> int:
         return len(self.labels)
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, int]:
+        i, seed = key if isinstance(key, tuple) else (key, None)
         img = self.images[i]
         if self.transform is not None:
+            if seed is not None:
+                self.transform.set_random_seed(seed)
             img = self.transform(image=img)["image"].reshape(img.shape)  # keep the (H, W, C) layout
         return torch.from_numpy(np.ascontiguousarray(img)), int(self.labels[i])
-
-
-def seed_worker(worker_id: int) -> None:
-    """DataLoader worker_init_fn: derive the policy's seed from torch's per-worker seed (reproducible)."""
-    info = torch.utils.data.get_worker_info()
-    ds = info.dataset
-    if getattr(ds, "transform", None) is not None:
-        ds.transform.set_random_seed(info.seed % 2**31)
 
 
 def preview(policy: A.Compose, prepared_dir: Path, per_class: int, path: Path) -> None:

@@ -77,14 +77,25 @@ class ModelConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     epochs: int
-    batch_size: int
+    batch_size: int  # per process
     lr: float
     weight_decay: float
     warmup_epochs: int
     label_smoothing: float
-    class_weighting: Literal["none", "balanced"]
+    grad_clip: float  # max global gradient norm; 0 = off
+    ema: float  # decay of the exponential moving average of the weights; 0 = off
+    early_stopping_patience: int  # epochs without a better val_loss before stopping; 0 = off
+    class_weighting: Literal["none", "loss", "sampling"]  # for imbalanced classes
     precision: Literal["auto", "fp32", "fp16", "bf16"]
     device: Literal["auto", "cpu", "cuda"]
+    channels_last: bool  # weights in channels_last (NHWC) memory layout, like the uint8 NHWC input
+    compile: bool  # torch.compile the model
+    distributed: Literal["none", "ddp", "fsdp"]
+    processes: int  # processes on this machine; ddp/fsdp launch themselves through torchrun
+    checkpoint_every_steps: int  # also checkpoint inside an epoch; 0 = at the end of each epoch only
+    keep_last: int  # training checkpoints kept
+    keep_best: int  # consolidated best models kept (by val_loss)
+    on_mismatch: Literal["restart", "stop"]  # a checkpoint of other params or data: start fresh, or stop
     num_workers: int
     threads: int  # torch intra-op threads on CPU; 0 = torch's default
     seed: int
@@ -226,8 +237,17 @@ def _check_values(p: Params) -> None:
         problems.append("evaluate.target_defect_recall: must be in (0, 1]")
     if p.data.source == "synthetic" and p.data.ok_class not in p.data.synthetic.counts:
         problems.append(f"data.ok_class: {p.data.ok_class!r} is not a class of data.synthetic.counts")
-    if p.train.epochs < 1 or p.train.batch_size < 1:
+    t = p.train
+    if t.epochs < 1 or t.batch_size < 1:
         problems.append("train.epochs and train.batch_size must be at least 1")
+    if t.processes < 1:
+        problems.append(f"train.processes: must be at least 1, got {t.processes}")
+    if t.processes > 1 and t.distributed == "none":
+        problems.append("train.processes: more than 1 process needs train.distributed: ddp or fsdp")
+    if not 0 <= t.ema < 1:
+        problems.append(f"train.ema: a decay in [0, 1), got {t.ema}")
+    if t.keep_last < 1 or t.keep_best < 1:
+        problems.append("train.keep_last and train.keep_best must be at least 1")
     if problems:
         raise ConfigError(f"{p.source_file}: " + "; ".join(problems))
 

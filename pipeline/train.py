@@ -1,31 +1,38 @@
-"""Train: a timm EfficientNet on the packed images, with a checkpoint each epoch and resume.
+"""Train: a timm EfficientNet on the packed images; checkpointed, resumable, single or multi-process.
 
-The epoch loop fits on one screen; ``train_one_epoch`` and ``evaluate_arrays`` return dicts. Every
-epoch reseeds torch and the augmentation policy from (seed, epoch), so a run resumed from an epoch
-checkpoint replays exactly what an uninterrupted run would have done.
+``train()`` reads as the recipe: resolve device and precision, join the process group, build data,
+model, optimizer and schedule, resume from the newest good checkpoint, then run epochs. The step loop
+itself is ``pipeline.loop.train_one_epoch``; checkpoint files are ``pipeline.checkpoint``.
+
+A checkpoint holds everything a resumed run needs to continue exactly where the killed one was:
+model, optimizer, LR schedule, loss scaler, EMA weights, epoch and step inside the epoch, each rank's
+RNG state and running sums, best val_loss, the early-stopping count, history, the MLflow run id and
+a fingerprint of the params and data. Only rank 0 logs, writes files and talks to MLflow.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import hashlib
 import json
 import logging
 import math
-import random
-import time
+import shutil
 from pathlib import Path
+from typing import Any
 
 import mlflow
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, RandomSampler
-from tqdm import tqdm
+from torch.utils.data import DataLoader
 
-from pipeline import checkpoint, tracking
-from pipeline.augment import ImageDataset, build_policy, seed_worker
-from pipeline.config import Params, as_flat_dict
+from pipeline import checkpoint, distributed, tracking
+from pipeline.augment import ImageDataset, build_policy
+from pipeline.config import ConfigError, Params, as_flat_dict
+from pipeline.distributed import Dist, unwrap
+from pipeline.loop import EMA, EpochBatches, EpochProgress, predict_logits, train_one_epoch
 from pipeline.model import DefectNet, create_model
 from pipeline.plots import curves_plot
 from pipeline.prepare import load_split, read_summary
@@ -33,21 +40,19 @@ from pipeline.runtime import Runtime, resolve_runtime
 
 log = logging.getLogger(__name__)
 
+# train.* keys that change how a run is carried out, not the weights it ends with.
+OPERATIONAL_KEYS = {"keep_last", "keep_best", "on_mismatch", "num_workers", "threads", "checkpoint_every_steps"}
+
 
 def fingerprint(params: Params, prepared_dir: Path) -> str:
     """sha256 over the params that shape the weights and the bytes of the training data."""
     h = hashlib.sha256()
-    for section in (params.model, params.train, params.augment, params.prepare):
-        h.update(json.dumps(as_flat_dict(section), sort_keys=True, default=str).encode())
+    train = {k: v for k, v in as_flat_dict(params.train).items() if k not in OPERATIONAL_KEYS}
+    for section in (as_flat_dict(params.model), train, as_flat_dict(params.augment), as_flat_dict(params.prepare)):
+        h.update(json.dumps(section, sort_keys=True, default=str).encode())
     for name in ("train.npz", "val.npz"):
         h.update((prepared_dir / name).read_bytes())
     return h.hexdigest()
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def warmup_cosine(warmup_steps: int, total_steps: int):
@@ -67,66 +72,26 @@ def class_weights(labels: np.ndarray, num_classes: int) -> torch.Tensor:
     return torch.tensor(w, dtype=torch.float32)
 
 
-def train_one_epoch(
-    model: nn.Module,
-    loader: DataLoader,
-    criterion: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    rt: Runtime,
-    desc: str,
-) -> dict:
-    model.train()
-    loss_sum, correct, seen, t0 = 0.0, 0, 0, time.perf_counter()
-    bar = tqdm(loader, desc=desc, unit="batch", leave=False)
-    for x, y in bar:  # x: (B, H, W, C) uint8, y: (B,) int64
-        x, y = x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)
-        with rt.autocast():
-            logits = model(x)
-            loss = criterion(logits.float(), y)
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"{desc}: loss is {loss.item()}; stopping (the last good checkpoint is kept)")
-        optimizer.zero_grad(set_to_none=True)
-        rt.scaler.scale(loss).backward()
-        rt.scaler.step(optimizer)
-        rt.scaler.update()
-        scheduler.step()
-        loss_sum += loss.item() * len(y)
-        correct += (logits.argmax(1) == y).sum().item()
-        seen += len(y)
-        bar.set_postfix(loss=f"{loss_sum / seen:.3f}", img_s=f"{seen / (time.perf_counter() - t0):.0f}")
-    elapsed = time.perf_counter() - t0
-    return {
-        "train_loss": loss_sum / seen,
-        "train_acc": correct / seen,
-        "train_img_s": seen / elapsed,
-        "lr": scheduler.get_last_lr()[0],
-    }
-
-
-@torch.inference_mode()
-def predict_logits(model: nn.Module, images: np.ndarray, rt: Runtime, batch_size: int = 64) -> np.ndarray:
-    """(N, H, W, C) uint8 -> logits (N, K) float32, in eval mode."""
-    model.eval()
-    out = []
-    for i in range(0, len(images), batch_size):
-        x = torch.from_numpy(images[i : i + batch_size]).to(rt.device)
-        with rt.autocast():
-            out.append(model(x).float().cpu())
-    return torch.cat(out).numpy() if out else np.zeros((0, 0), np.float32)
-
-
 def evaluate_arrays(
-    model: nn.Module, images: np.ndarray, labels: np.ndarray, rt: Runtime, criterion: nn.Module
+    model: nn.Module, images: np.ndarray, labels: np.ndarray, rt: Runtime, d: Dist, criterion: nn.Module
 ) -> dict:
-    logits = predict_logits(model, images, rt)
+    logits = predict_logits(model, images, rt, d)
     loss = criterion(torch.from_numpy(logits), torch.from_numpy(labels)).item()
     return {"val_loss": loss, "val_acc": float((logits.argmax(1) == labels).mean())}
 
 
-def save_model(net: DefectNet, meta: dict, path: Path) -> None:
+def full_model_state(model: nn.Module, d: Dist) -> dict[str, torch.Tensor]:
+    """The whole model's weights on CPU (on rank 0; gathered from the shards under FSDP, collectively)."""
+    if d.mode == "fsdp":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v.detach().cpu().clone() for k, v in unwrap(model).state_dict().items()}
+
+
+def save_model(state: dict[str, torch.Tensor], meta: dict, path: Path) -> None:
     """The consolidated model that evaluate and export read: weights plus what it takes to rebuild it."""
-    checkpoint.save_atomic({"version": checkpoint.CHECKPOINT_VERSION, "model": net.state_dict(), "meta": meta}, path)
+    checkpoint.save_atomic({"version": checkpoint.CHECKPOINT_VERSION, "model": state, "meta": meta}, path)
 
 
 def load_model(path: Path) -> tuple[DefectNet, dict]:
@@ -149,60 +114,145 @@ def load_model(path: Path) -> tuple[DefectNet, dict]:
     return net.eval(), meta
 
 
-def train(params: Params, prepared_dir: Path, out_dir: Path, reports_dir: Path) -> dict:
+def rng_state(rt: Runtime) -> dict[str, torch.Tensor]:
+    state = {"torch": torch.get_rng_state()}
+    if rt.device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(rt.device)
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor], rt: Runtime) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and rt.device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], rt.device)
+
+
+def local_buffers(model: nn.Module, d: Dist) -> dict[str, torch.Tensor]:
+    """This rank's own buffers (BatchNorm statistics) when ranks differ: until they are averaged at the
+    end of an epoch, each rank's running statistics saw its own images, and a checkpoint of rank 0's
+    alone would change the other ranks' on resume."""
+    if not d.enabled:
+        return {}
+    names = ("running_mean", "running_var", "num_batches_tracked")
+    return {n: b.detach().cpu().clone() for n, b in unwrap(model).named_buffers() if n.endswith(names)}
+
+
+def set_local_buffers(model: nn.Module, buffers: dict[str, torch.Tensor]) -> None:
+    own = dict(unwrap(model).named_buffers())
+    with torch.no_grad():
+        for n, t in buffers.items():
+            own[n].copy_(t)
+
+
+def build_model(params: Params, num_classes: int, channels: int, rt: Runtime, d: Dist) -> nn.Module:
+    """The network on its device, in channels_last where asked, wrapped for DDP/FSDP, compiled if asked."""
     cfg = params.train
-    seed_everything(cfg.seed)
+    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+    model = create_model(params.model, num_classes, channels).to(rt.device)
+    channels_last = cfg.channels_last and d.mode != "fsdp"
+    if cfg.channels_last and not channels_last:
+        log.warning("train.channels_last is ignored with fsdp: fully_shard cannot shard non-contiguous weights")
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    model = distributed.wrap(model, d, rt.device)
+    if cfg.compile:
+        model.compile()
+    log.info("model: %s, channels_last=%s, compile=%s, %s", params.model.name, channels_last, cfg.compile, d.mode)
+    return model
+
+
+def train(params: Params, prepared_dir: Path, out_dir: Path, reports_dir: Path) -> dict | None:
+    cfg = params.train
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     rt = resolve_runtime(cfg.device, cfg.precision)
+    d = distributed.init(cfg.distributed, rt.device.type)
+    if rt.device.type == "cuda" and d.enabled:
+        rt.device = torch.device("cuda", d.local_rank)
+    if not d.is_main:
+        logging.getLogger().setLevel(logging.WARNING)
+    try:
+        return _train(params, prepared_dir, out_dir, reports_dir, rt, d)
+    finally:
+        d.close()
+
+
+def _train(params: Params, prepared_dir: Path, out_dir: Path, reports_dir: Path, rt: Runtime, d: Dist) -> dict | None:
+    cfg = params.train
     info = read_summary(prepared_dir)
     classes, channels = info["classes"], info["channels"]
     x_tr, y_tr, _ = load_split(prepared_dir, "train")
     x_va, y_va, _ = load_split(prepared_dir, "val")
-    policy = build_policy(params.augment.policy)
-    dataset = ImageDataset(x_tr, y_tr, policy)
-    generator = torch.Generator()
+    sampler = EpochBatches(y_tr, cfg.batch_size, cfg.seed, d.rank, d.world_size, cfg.class_weighting == "sampling")
     loader = DataLoader(
-        dataset,
-        batch_size=cfg.batch_size,
-        sampler=RandomSampler(dataset, generator=generator),
+        ImageDataset(x_tr, y_tr, build_policy(params.augment.policy)),
+        batch_sampler=sampler,
         num_workers=cfg.num_workers,
-        worker_init_fn=seed_worker,
-        drop_last=len(dataset) > cfg.batch_size,
         pin_memory=rt.device.type == "cuda",
-        persistent_workers=False,
+        generator=torch.Generator(),  # its own seed source: iter(loader) must not consume the dropout RNG
     )
+    steps = len(sampler)
 
-    model = create_model(params.model, len(classes), channels).to(rt.device)
+    model = build_model(params, len(classes), channels, rt, d)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    steps = len(loader)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, warmup_cosine(cfg.warmup_epochs * steps, cfg.epochs * steps)
     )
-    weight = class_weights(y_tr, len(classes)) if cfg.class_weighting == "balanced" else None
-    criterion = nn.CrossEntropyLoss(
-        weight=weight.to(rt.device) if weight is not None else None, label_smoothing=cfg.label_smoothing
-    )
+    ema = EMA(model, cfg.ema)
+    weight = class_weights(y_tr, len(classes)).to(rt.device) if cfg.class_weighting == "loss" else None
+    criterion = nn.CrossEntropyLoss(weight=weight, label_smoothing=cfg.label_smoothing)
     eval_criterion = nn.CrossEntropyLoss()
+    torch.manual_seed(cfg.seed * 7919 + d.rank)  # this rank's dropout stream from here on
 
-    ckpt_dir, fp = out_dir / "checkpoints", fingerprint(params, prepared_dir)
-    state = {"epoch": 0, "best": math.inf, "history": [], "run_id": None}
-    last = checkpoint.load(ckpt_dir / "last.pt")
-    if last is not None and last["fingerprint"] != fp:
-        log.warning(
-            "checkpoint %s was trained on other params or data (fingerprint %s, now %s): starting fresh",
-            ckpt_dir / "last.pt",
-            last["fingerprint"][:12],
-            fp[:12],
+    fp = fingerprint(params, prepared_dir)
+    store = checkpoint.CheckpointDir(out_dir / "checkpoints", d, cfg.keep_last)
+    state: dict[str, Any] = {
+        "epoch": 0,  # epochs completed
+        "global_step": 0,
+        "best": math.inf,  # best val_loss so far
+        "bad_epochs": 0,  # epochs since it improved (early stopping)
+        "stopped_early": False,
+        "best_models": [],  # [[val_loss, file name], ...] consolidated best models kept
+        "history": [],
+        "run_id": None,
+    }
+    progress = EpochProgress()
+    resumed = resume(store, fp, model, optimizer, ema, d, cfg.on_mismatch)
+    if resumed is not None:
+        saved, where = resumed
+        scheduler.load_state_dict(saved["scheduler"])
+        rt.scaler.load_state_dict(saved["scaler"])
+        mine = saved["ranks"][d.rank] if d.rank < len(saved["ranks"]) else saved["ranks"][0]
+        set_rng_state(mine["rng"], rt)
+        set_local_buffers(model, mine["buffers"])
+        progress = EpochProgress(**mine["progress"])
+        state = {k: saved[k] for k in state}
+        log.info(
+            "resuming from %s after epoch %d, step %d (%d steps done)",
+            where,
+            state["epoch"],
+            progress.step,
+            state["global_step"],
         )
-        last = None
-    if last is not None:
-        model.load_state_dict(last["model"])
-        optimizer.load_state_dict(last["optimizer"])
-        scheduler.load_state_dict(last["scheduler"])
-        rt.scaler.load_state_dict(last["scaler"])
-        state = {k: last[k] for k in state}
-        log.info("resuming from %s after epoch %d", ckpt_dir / "last.pt", state["epoch"])
+
+    def save_checkpoint(progress: EpochProgress) -> None:
+        ranks = d.all_gather_object(
+            {"rng": rng_state(rt), "progress": progress.as_dict(), "buffers": local_buffers(model, d)}
+        )
+        body = {
+            "scheduler": scheduler.state_dict(),
+            "scaler": rt.scaler.state_dict(),
+            "fingerprint": fp,
+            "world_size": d.world_size,
+            "ranks": ranks,
+            **state,
+        }
+        if d.mode == "fsdp":
+            body["ema_updates"] = ema.updates  # the EMA weights themselves are among the shards
+            store.save(state["global_step"], body, sharded_state(model, optimizer, ema))
+        else:
+            body |= {"model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict(), "ema": ema.state_dict()}
+            store.save(state["global_step"], body)
 
     meta = {
         "architecture": params.model.name,
@@ -214,69 +264,185 @@ def train(params: Params, prepared_dir: Path, out_dir: Path, reports_dir: Path) 
         "image_size": info["image_size"],
         "resize": info["resize"],
         "fingerprint": fp,
+        "ema": cfg.ema,
     }
     run_name = f"{params.model.name}-{info['image_size']}px-{fp[:8]}"
     tags = {**tracking.git_info(), **tracking.dvc_lock_hashes(), "data.fingerprint": fp, "stage": "train"}
-    with tracking.start_run(params.mlflow, state["run_id"], run_name, tags) as run:
-        if state["run_id"] is None:
-            mlflow.log_params({k: str(v)[:500] for k, v in as_flat_dict(params).items() if k != "source_file"})
-        state["run_id"] = run.info.run_id
+    run_ctx = tracking.start_run(params.mlflow, state["run_id"], run_name, tags) if d.is_main else None
+    with run_ctx or contextlib.nullcontext():
+        if d.is_main:
+            if state["run_id"] is None:
+                mlflow.log_params({k: str(v)[:500] for k, v in as_flat_dict(params).items() if k != "source_file"})
+            state["run_id"] = mlflow.active_run().info.run_id
         log.info(
-            "training %s on %d images (%s, %s) for %d epochs; MLflow run %s",
+            "training %s on %d images (%s, %s, %d process%s) for %d epochs of %d steps; MLflow run %s",
             params.model.name,
-            len(dataset),
+            len(y_tr),
             rt.device,
             rt.precision,
+            d.world_size,
+            "es" if d.world_size > 1 else "",
             cfg.epochs,
-            run.info.run_id,
+            steps,
+            state["run_id"],
         )
-        for epoch in range(state["epoch"], cfg.epochs):
-            torch.manual_seed(cfg.seed * 1000 + epoch)  # the epoch's shuffle, dropout and augmentation
-            generator.manual_seed(cfg.seed * 1000 + epoch)
-            policy.set_random_seed(cfg.seed * 1000 + epoch)
-            row = {"epoch": epoch + 1}
-            row |= train_one_epoch(
-                model, loader, criterion, optimizer, scheduler, rt, f"epoch {epoch + 1}/{cfg.epochs}"
+        every = cfg.checkpoint_every_steps
+        while state["epoch"] < cfg.epochs and not state["stopped_early"]:
+            epoch = state["epoch"]
+            sampler.set_epoch(epoch, progress.step)
+            start_step = state["global_step"] - progress.step
+
+            def due(p: EpochProgress, start_step=start_step) -> bool:
+                return every > 0 and p.step < steps and (start_step + p.step) % every == 0
+
+            def mid_epoch_checkpoint(p: EpochProgress, start_step=start_step) -> None:
+                state["global_step"] = start_step + p.step
+                save_checkpoint(p)
+
+            row = {"epoch": epoch + 1} | train_one_epoch(
+                model,
+                loader,
+                criterion,
+                optimizer,
+                scheduler,
+                rt,
+                ema,
+                progress,
+                d,
+                grad_clip=cfg.grad_clip,
+                desc=f"epoch {epoch + 1}/{cfg.epochs}",
+                checkpoint_due=due,
+                checkpoint=mid_epoch_checkpoint,
             )
-            row |= evaluate_arrays(model, x_va, y_va, rt, eval_criterion)
+            distributed.average_batchnorm_stats(model, d)
+            with ema.applied(model):  # validate (and keep) the averaged weights when EMA is on
+                row |= evaluate_arrays(model, x_va, y_va, rt, d, eval_criterion)
+                improved = row["val_loss"] < state["best"]
+                weights = full_model_state(model, d) if improved else None
             state["history"].append(row)
-            mlflow.log_metrics({k: v for k, v in row.items() if k != "epoch"}, step=epoch + 1)
-            log.info("epoch %d: %s", epoch + 1, ", ".join(f"{k}={v:.4g}" for k, v in row.items() if k != "epoch"))
-            if row["val_loss"] < state["best"]:
-                state["best"] = row["val_loss"]
-                save_model(model, {**meta, "epoch": epoch + 1, "val_loss": row["val_loss"]}, ckpt_dir / "best.pt")
-            state["epoch"] = epoch + 1
-            checkpoint.save_atomic(
-                {
-                    "version": checkpoint.CHECKPOINT_VERSION,
-                    "model": model.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(),
-                    "scaler": rt.scaler.state_dict(),
-                    "fingerprint": fp,
-                    **state,
-                },
-                ckpt_dir / "last.pt",
-            )
-        best = checkpoint.load(ckpt_dir / "best.pt")
-        (out_dir / "model.pt").write_bytes((ckpt_dir / "best.pt").read_bytes())
-        (out_dir / "run.json").write_text(json.dumps({"run_id": state["run_id"], "fingerprint": fp}) + "\n")
-        reports_dir.mkdir(parents=True, exist_ok=True)
-        with open(reports_dir / "history.csv", "w", newline="") as f:
-            w = csv.DictWriter(f, list(state["history"][0]))
-            w.writeheader()
-            w.writerows(state["history"])
-        curves_plot(state["history"], ["train_loss", "val_loss"], "loss", reports_dir / "loss.png")
-        curves_plot(state["history"], ["train_acc", "val_acc"], "accuracy", reports_dir / "accuracy.png")
-        summary = {
-            "best_epoch": best["meta"]["epoch"],
-            "best_val_loss": best["meta"]["val_loss"],
-            "epochs": cfg.epochs,
-            "train_images": len(dataset),
-            "train_img_s": float(np.median([r["train_img_s"] for r in state["history"]])),
-            "device": str(rt.device),
-            "precision": rt.precision,
-        }
-        (reports_dir / "metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
-        mlflow.log_artifacts(str(reports_dir), "train")
+            state["epoch"], state["global_step"] = epoch + 1, start_step + steps
+            if improved:
+                state["best"], state["bad_epochs"] = row["val_loss"], 0
+                if d.is_main:
+                    best_meta = {**meta, "epoch": epoch + 1, "val_loss": row["val_loss"]}
+                    keep_best_model(weights, best_meta, state, cfg, store)
+            else:
+                state["bad_epochs"] += 1
+            if cfg.early_stopping_patience and state["bad_epochs"] >= cfg.early_stopping_patience:
+                state["stopped_early"] = True
+                log.info("early stop: val_loss has not improved for %d epochs", state["bad_epochs"])
+            if d.is_main:
+                mlflow.log_metrics({k: v for k, v in row.items() if k != "epoch"}, step=epoch + 1)
+                log.info("epoch %d: %s", epoch + 1, ", ".join(f"{k}={v:.4g}" for k, v in row.items() if k != "epoch"))
+            progress = EpochProgress()
+            save_checkpoint(progress)
+        if not d.is_main:
+            return None
+        return finish(state, cfg, store.root, out_dir, reports_dir, rt, steps, len(y_tr))
+
+
+def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer, ema: EMA) -> dict[str, Any]:
+    """FSDP: the model and optimizer state dicts as shards (DTensors) plus the EMA shards, for DCP."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optimizer": optim_sd, "ema": ema.shadow}
+
+
+def resume(
+    store: checkpoint.CheckpointDir,
+    fp: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    ema: EMA,
+    d: Dist,
+    on_mismatch: str,
+) -> tuple[dict, Path] | None:
+    """Load model, optimizer and EMA from the newest good checkpoint; return its state and folder.
+
+    A checkpoint made from other params or data is not resumed silently: with ``on_mismatch: stop``
+    the stage stops; with ``restart`` it says so, moves the old checkpoints to ``superseded/`` and
+    starts fresh.
+    """
+    store.clean_unfinished()
+    steps = store.steps()
+    if not steps:
+        return None
+    newest = checkpoint.load(steps[0] / "state.pt")
+    if newest is not None and newest["fingerprint"] != fp:
+        old_fp = newest["fingerprint"][:12]
+        where = f"{steps[0]} was trained on other params or data (fingerprint {old_fp}, now {fp[:12]})"
+        if on_mismatch == "stop":
+            raise ConfigError(f"checkpoint {where}; stopping (train.on_mismatch: stop). Move it away to start fresh")
+        log.warning("checkpoint %s: starting fresh; the old checkpoints move to %s", where, store.root / "superseded")
+        if d.is_main:
+            old = store.root / "superseded"
+            shutil.rmtree(old, ignore_errors=True)
+            old.mkdir()
+            for p in list(store.root.iterdir()):
+                if p != old:
+                    p.rename(old / p.name)
+        d.barrier()
+        return None
+    if d.mode == "fsdp":
+        template = sharded_state(model, optimizer, ema)
+        found = store.load_latest(template)
+        if found is not None:
+            from torch.distributed.checkpoint.state_dict import set_state_dict
+
+            set_state_dict(model, optimizer, model_state_dict=template["model"], optim_state_dict=template["optimizer"])
+            ema.updates = found[0]["ema_updates"]
+    else:
+        found = store.load_latest()
+        if found is not None:
+            saved = found[0]
+            unwrap(model).load_state_dict(saved["model"])
+            optimizer.load_state_dict(saved["optimizer"])
+            ema.load_state_dict(saved["ema"])
+    if found is None:
+        log.warning("no usable checkpoint in %s: starting fresh", store.root)
+    return found
+
+
+def keep_best_model(weights: dict, meta: dict, state: dict, cfg: Any, store: checkpoint.CheckpointDir) -> None:
+    """Write the consolidated model of this epoch and keep only the ``keep_best`` lowest val_loss ones."""
+    name = f"best-epoch{meta['epoch']:03d}.pt"
+    save_model(weights, meta, store.root / name)
+    ranked = sorted([*(b for b in state["best_models"] if b[1] != name), [meta["val_loss"], name]])
+    for _, dropped in ranked[cfg.keep_best :]:
+        (store.root / dropped).unlink(missing_ok=True)
+    state["best_models"] = ranked[: cfg.keep_best]
+
+
+def finish(
+    state: dict, cfg: Any, ckpt_root: Path, out_dir: Path, reports_dir: Path, rt: Runtime, steps: int, n_train: int
+) -> dict:
+    """Rank 0, after the last epoch: the best model to model.pt, run.json, history, curves, metrics."""
+    best_file = ckpt_root / state["best_models"][0][1]
+    best = checkpoint.load(best_file)
+    if best is None:
+        raise FileNotFoundError(f"{best_file}: the best model file is unreadable; delete {ckpt_root} and retrain")
+    shutil.copyfile(best_file, out_dir / "model.pt")
+    run = {"run_id": state["run_id"], "fingerprint": best["meta"]["fingerprint"]}
+    (out_dir / "run.json").write_text(json.dumps(run) + "\n")
+    reports_dir.mkdir(parents=True, exist_ok=True)
+    with open(reports_dir / "history.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, list(state["history"][0]))
+        w.writeheader()
+        w.writerows(state["history"])
+    curves_plot(state["history"], ["train_loss", "val_loss"], "loss", reports_dir / "loss.png")
+    curves_plot(state["history"], ["train_acc", "val_acc"], "accuracy", reports_dir / "accuracy.png")
+    summary = {
+        "best_epoch": best["meta"]["epoch"],
+        "best_val_loss": best["meta"]["val_loss"],
+        "epochs_run": state["epoch"],
+        "stopped_early": state["stopped_early"],
+        "steps": state["global_step"],
+        "train_images": n_train,
+        "train_img_s": float(np.median([r["train_img_s"] for r in state["history"]])),
+        "device": str(rt.device),
+        "precision": rt.precision,
+    }
+    (reports_dir / "metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
+    mlflow.log_artifacts(str(reports_dir), "train")
     return summary

@@ -1,8 +1,10 @@
-"""Training: a killed run resumes from its last checkpoint and ends with the same weights."""
+"""Training: killed at random moments it resumes to the same weights; bad checkpoints never pass silently."""
 
 from __future__ import annotations
 
 import json
+import random
+import re
 import shutil
 import signal
 import subprocess
@@ -15,77 +17,167 @@ import torch
 import yaml
 
 from pipeline import checkpoint
-from tests.conftest import ROOT, run_stages_in, tiny_params, venv_env
+from tests.conftest import ROOT, tiny_params, venv_env
 
-PARAMS = tiny_params(**{"model.name": "test_efficientnet"})
-PARAMS["train"]["epochs"] = 4
+EPOCHS = 3
 
 
-def run_train(workdir: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
+def params(**train) -> dict:
+    p = tiny_params(**{"model.name": "test_efficientnet"})
+    p["train"].update({"epochs": EPOCHS, "checkpoint_every_steps": 1, "keep_last": 4, "ema": 0.9, **train})
+    return p
+
+
+def start_train(workdir: Path, p: dict, capture: bool = True) -> subprocess.Popen:
+    (workdir / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
+    out = subprocess.PIPE if capture else subprocess.DEVNULL
+    return subprocess.Popen(
         [sys.executable, str(ROOT / "stages/train.py")],
         cwd=workdir,
         env=venv_env(),
-        capture_output=True,
+        stdout=out,
+        stderr=out,
         text=True,
-        timeout=600,
     )
 
 
-def weights(path: Path) -> dict[str, torch.Tensor]:
-    return checkpoint.load(path)["model"]
+def run_train(workdir: Path, p: dict) -> subprocess.CompletedProcess:
+    proc = start_train(workdir, p)
+    out, err = proc.communicate(timeout=600)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def model_weights(workdir: Path) -> dict[str, torch.Tensor]:
+    return checkpoint.load(workdir / "models/train/model.pt")["model"]
+
+
+def same_weights(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def ckpt_dir(workdir: Path) -> Path:
+    return workdir / "models/train/checkpoints"
+
+
+def history(workdir: Path) -> list[list[str]]:
+    """reports/train/history.csv without its throughput column (a timing, different in every run)."""
+    rows = [line.split(",") for line in (workdir / "reports/train/history.csv").read_text().splitlines()]
+    col = rows[0].index("train_img_s")
+    return [r[:col] + r[col + 1 :] for r in rows]
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(prepared_project, tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("straight")
     shutil.copytree(prepared_project, work, dirs_exist_ok=True)
-    run_stages_in(work, PARAMS, ["train"])
+    proc = run_train(work, params())
+    assert proc.returncode == 0, proc.stderr[-3000:]
     return work
 
 
-def test_killed_training_resumes_to_identical_weights(prepared_project, uninterrupted, tmp_path):
-    shutil.copytree(prepared_project, tmp_path, dirs_exist_ok=True)
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(PARAMS, sort_keys=False))
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "stages/train.py")],
-        cwd=tmp_path,
-        env=venv_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    last = tmp_path / "models/train/checkpoints/last.pt"
-    deadline = time.time() + 300
-    while not last.exists() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
+def kill_when(proc: subprocess.Popen, condition, timeout: float = 300) -> bool:
+    """SIGKILL ``proc`` as soon as ``condition()`` holds; False if it ended first."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if condition():
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            return True
+        time.sleep(0.0005)
     proc.wait()
-    ckpt = checkpoint.load(last)
-    assert ckpt is not None and ckpt["epoch"] < PARAMS["train"]["epochs"], "the run finished before it was killed"
-    resumed = run_train(tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert f"resuming from models/train/checkpoints/last.pt after epoch {ckpt['epoch']}" in resumed.stderr
-    a, b = weights(uninterrupted / "models/train/model.pt"), weights(tmp_path / "models/train/model.pt")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    # The resumed run reports every epoch and continued the MLflow run the killed one had opened.
-    assert (tmp_path / "reports/train/history.csv").read_text().count("\n") == PARAMS["train"]["epochs"] + 1
-    assert json.loads((tmp_path / "models/train/run.json").read_text())["run_id"] == ckpt["run_id"]
+    return False
 
 
-def test_checkpoint_of_other_params_is_not_resumed_silently(uninterrupted, tmp_path):
+def test_killed_at_random_moments_resumes_to_identical_weights(prepared_project, uninterrupted, tmp_path):
+    """SIGKILL during training at random steps and during a checkpoint write; each rerun resumes."""
+    shutil.copytree(prepared_project, tmp_path, dirs_exist_ok=True)
+    rng = random.Random(1234)
+    total_steps = json.loads((uninterrupted / "reports/train/metrics.json").read_text())["steps"]
+    kills, during_write = 0, 0
+    for target in sorted(rng.sample(range(1, total_steps), 3)):
+        proc = start_train(tmp_path, params(), capture=False)
+
+        def reached(target=target) -> bool:
+            return any(int(p.name[5:]) >= target for p in checkpoint.step_dirs(ckpt_dir(tmp_path)))
+
+        kills += kill_when(proc, reached)
+    # Once more, killed while a checkpoint folder is being written (its temporary name is visible).
+    for _ in range(5):
+        proc = start_train(tmp_path, params(), capture=False)
+        if kill_when(proc, lambda: any(ckpt_dir(tmp_path).glob(".step-*.tmp"))):
+            during_write += 1
+            break
+    assert kills >= 2, "the run finished before it could be killed"
+    final = run_train(tmp_path, params())
+    assert final.returncode == 0, final.stderr[-3000:]
+    assert "resuming from models/train/checkpoints/step-" in final.stderr
+    assert same_weights(model_weights(uninterrupted), model_weights(tmp_path))
+    assert history(tmp_path) == history(uninterrupted)  # every epoch's losses, as if never interrupted
+    assert not list(ckpt_dir(tmp_path).glob(".step-*.tmp")), "an unfinished write was left behind"
+    # The MLflow run the first attempt opened is the one the finished model belongs to.
+    oldest_kept = checkpoint.load(checkpoint.step_dirs(ckpt_dir(tmp_path))[-1] / "state.pt")
+    assert json.loads((tmp_path / "models/train/run.json").read_text())["run_id"] == oldest_kept["run_id"]
+    print(f"killed {kills} times at random steps and {during_write} time(s) during a checkpoint write")
+
+
+def test_corrupt_newest_checkpoint_falls_back_to_the_one_before(uninterrupted, tmp_path):
     shutil.copytree(uninterrupted, tmp_path, dirs_exist_ok=True)
-    changed = tiny_params(**{"model.name": "test_efficientnet"})
-    changed["train"].update(epochs=4, lr=0.001)
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(changed, sort_keys=False))
-    proc = run_train(tmp_path)
-    assert proc.returncode == 0
-    assert "was trained on other params or data" in proc.stderr and "starting fresh" in proc.stderr
+    steps = checkpoint.step_dirs(ckpt_dir(tmp_path))
+    newest = steps[0] / "state.pt"
+    newest.write_bytes(newest.read_bytes()[:100])  # truncated, as a failing disk would leave it
+    (tmp_path / "models/train/model.pt").unlink()
+    proc = run_train(tmp_path, params())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"checkpoint {newest.relative_to(tmp_path)} is unreadable" in proc.stderr
+    assert f"resuming from {steps[1].relative_to(tmp_path)}" in proc.stderr
+    assert same_weights(model_weights(uninterrupted), model_weights(tmp_path))
 
 
-def test_corrupt_checkpoint_is_reported_not_fatal(tmp_path, caplog):
-    path = tmp_path / "last.pt"
-    checkpoint.save_atomic({"version": checkpoint.CHECKPOINT_VERSION, "x": torch.ones(3)}, path)
-    assert torch.equal(checkpoint.load(path)["x"], torch.ones(3))
-    path.write_bytes(path.read_bytes()[:50])
-    assert checkpoint.load(path) is None
-    assert "unreadable" in caplog.text
+def test_checkpoint_of_other_params_restarts_loudly_or_stops(uninterrupted, tmp_path):
+    shutil.copytree(uninterrupted, tmp_path, dirs_exist_ok=True)
+    stop = run_train(tmp_path, params(lr=0.001, on_mismatch="stop"))
+    assert stop.returncode == 2
+    assert "was trained on other params or data" in stop.stderr and "train.on_mismatch: stop" in stop.stderr
+    assert checkpoint.step_dirs(ckpt_dir(tmp_path)), "stopping must not touch the checkpoints"
+
+    restart = run_train(tmp_path, params(lr=0.001))
+    assert restart.returncode == 0, restart.stderr[-3000:]
+    assert "was trained on other params or data" in restart.stderr and "starting fresh" in restart.stderr
+    assert "resuming" not in restart.stderr
+    assert (ckpt_dir(tmp_path) / "superseded").is_dir()
+    assert not same_weights(model_weights(uninterrupted), model_weights(tmp_path))
+
+
+def test_operational_settings_do_not_invalidate_a_checkpoint(uninterrupted, tmp_path):
+    shutil.copytree(uninterrupted, tmp_path, dirs_exist_ok=True)
+    (tmp_path / "models/train/model.pt").unlink()
+    proc = run_train(tmp_path, params(keep_last=2, keep_best=1, num_workers=1))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming from" in proc.stderr and "other params" not in proc.stderr
+
+
+def test_nan_loss_stops_with_a_message_and_keeps_the_last_good_checkpoint(prepared_project, tmp_path):
+    shutil.copytree(prepared_project, tmp_path, dirs_exist_ok=True)
+    # An absurd learning rate: the first step is fine, the weights it leaves overflow to inf/NaN.
+    proc = run_train(tmp_path, params(lr=1e30, warmup_epochs=0, grad_clip=0.0, ema=0.0))
+    assert proc.returncode == 2
+    assert re.search(r"(loss became (nan|inf)|weights became inf or NaN) by step \d+ of the epoch", proc.stderr)
+    assert "The last good checkpoint is kept" in proc.stderr
+    steps = checkpoint.step_dirs(ckpt_dir(tmp_path))
+    assert steps, "the steps before the NaN were checkpointed"
+    for s in steps:  # every checkpoint left is readable and holds finite weights
+        weights = checkpoint.load(s / "state.pt")["model"]
+        assert all(torch.isfinite(v).all() for v in weights.values() if v.is_floating_point()), s
+    assert not (tmp_path / "models/train/model.pt").exists()
+
+
+def test_early_stopping_ends_the_run_when_val_loss_stalls(prepared_project, tmp_path):
+    shutil.copytree(prepared_project, tmp_path, dirs_exist_ok=True)
+    proc = run_train(tmp_path, params(lr=0.0, epochs=6, early_stopping_patience=2))  # lr 0: nothing improves
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads((tmp_path / "reports/train/metrics.json").read_text())
+    assert metrics["stopped_early"] and metrics["epochs_run"] == 3 and metrics["best_epoch"] == 1
+    assert "early stop" in proc.stderr
+    # A finished (early-stopped) run is not trained again when the stage reruns.
+    again = run_train(tmp_path, params(lr=0.0, epochs=6, early_stopping_patience=2))
+    assert again.returncode == 0 and "epoch 4" not in again.stderr

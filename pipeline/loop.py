@@ -1,0 +1,261 @@
+"""The training loop's parts that need torch alone: data order, EMA, one epoch, sharded prediction.
+
+Nothing here imports MLflow, DVC or albumentations, so the GPU check (scripts/gpu_check.sh) and the
+throughput benchmark run this exact loop on a machine that has only torch and timm.
+
+Reproducibility contract: the order of the training images in epoch ``e`` is a function of
+(seed, e) alone, and each image's augmentation is seeded by (seed, e, its position in the epoch).
+Together with the torch RNG state saved in the checkpoint (dropout), a run resumed at any step
+replays exactly what the uninterrupted run did.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Sampler
+from tqdm import tqdm
+
+from pipeline.distributed import Dist, unwrap
+from pipeline.runtime import Runtime
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    return (seed * 1_000_003 + epoch) % 2**31
+
+
+class EpochBatches(Sampler[list[tuple[int, int]]]):
+    """This rank's batches for one epoch, as ``[(image index, augmentation seed), ...]`` lists.
+
+    The epoch's order is a permutation (or, with ``balanced``, a class-balanced draw with replacement)
+    seeded by (seed, epoch), cut to a multiple of the world size and dealt out rank by rank, so every
+    rank runs the same number of steps. ``set_epoch(e, start)`` skips the first ``start`` batches: that
+    is how a resumed run continues in the middle of an epoch.
+    """
+
+    def __init__(
+        self, labels: np.ndarray, batch_size: int, seed: int, rank: int = 0, world: int = 1, balanced: bool = False
+    ) -> None:
+        self.n, self.batch_size, self.seed, self.rank, self.world = len(labels), batch_size, seed, rank, world
+        self.per_rank = self.n // world
+        if self.per_rank == 0:
+            raise ValueError(f"{self.n} training images cannot be shared by {world} processes")
+        counts = np.bincount(labels)
+        self.weights = torch.tensor(1.0 / counts[labels], dtype=torch.float64) if balanced else None
+        self.epoch, self.start = 0, 0
+
+    def __len__(self) -> int:  # steps per epoch; a split smaller than a batch still makes one step
+        return max(1, self.per_rank // self.batch_size)
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.epoch, self.start = epoch, start
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        g = torch.Generator().manual_seed(epoch_seed(self.seed, self.epoch))
+        if self.weights is None:
+            order = torch.randperm(self.n, generator=g)
+        else:
+            order = torch.multinomial(self.weights, self.n, replacement=True, generator=g)
+        mine = order[: self.per_rank * self.world][self.rank :: self.world].tolist()
+        base = epoch_seed(self.seed, self.epoch) * 7919
+        size = min(self.batch_size, len(mine))
+        for b in range(self.start, len(self)):
+            positions = range(b * size, (b + 1) * size)
+            yield [(mine[p], (base + p * self.world + self.rank) % 2**31) for p in positions]
+
+
+class EMA:
+    """Exponential moving average of the trainable weights (``decay`` 0: off, every method a no-op).
+
+    The decay warms up as min(decay, (1 + n) / (10 + n)) so the average is not dominated by the random
+    initial weights. Buffers (BatchNorm statistics) are not averaged; the live ones are used. Works on
+    FSDP-sharded parameters too: each rank averages its own shards.
+    """
+
+    def __init__(self, model: nn.Module, decay: float) -> None:
+        self.decay, self.updates = decay, 0
+        params = unwrap(model).named_parameters()
+        self.shadow = {n: p.detach().clone() for n, p in params if p.requires_grad} if decay > 0 else {}
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        if not self.shadow:
+            return
+        self.updates += 1
+        d = min(self.decay, (1 + self.updates) / (10 + self.updates))
+        for n, p in unwrap(model).named_parameters():
+            if n in self.shadow:
+                self.shadow[n].lerp_(p.detach(), 1.0 - d)
+
+    @contextlib.contextmanager
+    def applied(self, model: nn.Module) -> Iterator[None]:
+        """Inside the block the model holds the averaged weights; afterwards its own again."""
+        if not self.shadow:
+            yield
+            return
+        params = dict(unwrap(model).named_parameters())
+        backup = {n: params[n].detach().clone() for n in self.shadow}
+        with torch.no_grad():
+            for n, t in self.shadow.items():
+                params[n].copy_(t)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for n, t in backup.items():
+                    params[n].copy_(t)
+
+    def state_dict(self) -> dict:
+        return {"updates": self.updates, "shadow": self.shadow}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.updates = state["updates"]
+        for n, t in state["shadow"].items():
+            self.shadow[n].copy_(t)
+
+
+@dataclass
+class EpochProgress:
+    """Where this rank is inside the current epoch; saved in checkpoints so a resume continues the sums."""
+
+    step: int = 0  # batches done
+    loss_sum: float = 0.0
+    correct: int = 0
+    seen: int = 0
+    elapsed: float = 0.0  # seconds spent training in this epoch (all sessions)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class NonFiniteLoss(FloatingPointError):
+    pass
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: the local shard of an FSDP DTensor, the tensor itself otherwise."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def train_one_epoch(
+    model: nn.Module,
+    loader: DataLoader,
+    criterion: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    rt: Runtime,
+    ema: EMA,
+    progress: EpochProgress,
+    d: Dist,
+    grad_clip: float = 0.0,
+    desc: str = "train",
+    checkpoint_due: Callable[[EpochProgress], bool] | None = None,
+    checkpoint: Callable[[EpochProgress], None] | None = None,
+    sync_every: int = 10,
+) -> dict:
+    """Train over ``loader`` from ``progress.step`` on; return the epoch's figures (global over ranks).
+
+    When ``checkpoint_due(progress)`` says so after a step, the loss is checked (on every rank) and
+    ``checkpoint(progress)`` saves. A NaN or inf loss raises ``NonFiniteLoss`` before any checkpoint
+    could record the broken weights. The running sums stay on the device between checks, so a GPU is
+    not stalled by a host sync every step.
+    """
+    model.train()
+    dev = rt.device
+    loss_sum = torch.tensor(progress.loss_sum, dtype=torch.float64, device=dev)
+    correct = torch.tensor(progress.correct, dtype=torch.float64, device=dev)
+    seen0, t0 = progress.seen, time.perf_counter() - progress.elapsed
+    sampler = getattr(loader, "batch_sampler", None)
+    total = len(sampler) if sampler is not None else len(loader)
+    bar = tqdm(total=total, initial=progress.step, desc=desc, unit="batch", leave=False, disable=not d.is_main)
+
+    def synced() -> tuple[float, float, float]:
+        """Global mean loss, accuracy and image count; raises on a non-finite loss or weight (all ranks)."""
+        bad_weights = sum(~torch.isfinite(local(p.detach())).all() for p in model.parameters())
+        seen = torch.tensor(float(progress.seen), dtype=torch.float64, device=dev)
+        stats = torch.stack([loss_sum, correct, seen, torch.as_tensor(bad_weights, dtype=torch.float64, device=dev)])
+        if d.enabled:
+            stats = stats.clone()
+            torch.distributed.all_reduce(stats)
+        loss, corr, n, bad = stats.tolist()
+        if not math.isfinite(loss) or bad:
+            what = f"the training loss became {loss}" if not math.isfinite(loss) else "the weights became inf or NaN"
+            raise NonFiniteLoss(
+                f"{desc}: {what} by step {progress.step} of the epoch; stopping. "
+                "The last good checkpoint is kept (lower train.lr, or set train.grad_clip)"
+            )
+        return loss / max(n, 1), corr / max(n, 1), n
+
+    for x, y in loader:  # x: (B, H, W, C) uint8, y: (B,) int64
+        x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+        with rt.autocast():
+            logits = model(x)
+            loss = criterion(logits.float(), y)
+        optimizer.zero_grad(set_to_none=True)
+        rt.scaler.scale(loss).backward()
+        if grad_clip > 0:
+            rt.scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        rt.scaler.step(optimizer)
+        rt.scaler.update()
+        scheduler.step()
+        ema.update(model)
+        loss_sum += loss.detach().double() * len(y)
+        correct += (logits.detach().argmax(1) == y).sum().double()
+        progress.seen += len(y)
+        progress.step += 1
+        bar.update(1)
+        due = checkpoint is not None and checkpoint_due is not None and checkpoint_due(progress)
+        if due or progress.step % sync_every == 0:
+            mean_loss, _, n = synced()
+            elapsed = time.perf_counter() - t0
+            bar.set_postfix(loss=f"{mean_loss:.3f}", img_s=f"{(n - seen0 * d.world_size) / max(elapsed, 1e-9):.0f}")
+        if due:
+            progress.loss_sum, progress.correct = loss_sum.item(), int(correct.item())
+            progress.elapsed = time.perf_counter() - t0
+            checkpoint(progress)
+    bar.close()
+    mean_loss, acc, n = synced()
+    progress.loss_sum, progress.correct = loss_sum.item(), int(correct.item())
+    progress.elapsed = time.perf_counter() - t0
+    return {
+        "train_loss": mean_loss,
+        "train_acc": acc,
+        "train_img_s": n / max(progress.elapsed, 1e-9),
+        "lr": scheduler.get_last_lr()[0],
+    }
+
+
+@torch.no_grad()
+def predict_logits(
+    model: nn.Module, images: np.ndarray, rt: Runtime, d: Dist | None = None, batch_size: int = 64
+) -> np.ndarray:
+    """(N, H, W, C) uint8 -> logits (N, K) float32 in eval mode; with several ranks each does a share.
+
+    Every rank runs the same number of batches (FSDP gathers parameters collectively in each forward),
+    so the shares are padded to equal length and the padding dropped after gathering.
+    """
+    d = d or Dist("none")
+    model.eval()
+    n = len(images)
+    idx = np.minimum(np.arange(math.ceil(n / d.world_size)) * d.world_size + d.rank, max(n - 1, 0))
+    out = []
+    for i in range(0, len(idx), batch_size):
+        x = torch.from_numpy(images[idx[i : i + batch_size]]).to(rt.device)
+        with rt.autocast():
+            out.append(model(x).float().cpu())
+    mine = torch.cat(out).numpy() if out else np.zeros((0, 0), np.float32)
+    if not d.enabled:
+        return mine[:n]
+    gathered = d.all_gather_object((idx, mine))
+    logits = np.zeros((n, mine.shape[1]), np.float32)
+    for i, part in gathered:
+        logits[i] = part
+    return logits

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The GPU check: run on a machine with an NVIDIA GPU, with that machine's own python3 and packages
+# (torch, timm, numpy, pytest, pyyaml, tqdm; no installs). Inside 10 minutes it runs
+#   1. the tests marked `gpu` (fp16 + GradScaler, bf16, NCCL DDP/FSDP, ...), and
+#   2. the training-throughput benchmark of the default EfficientNet at 224 px: fp32 vs AMP,
+#      with and without channels_last and torch.compile, side by side in one process.
+# Results go to ${OUT:-reports/gpu}: pytest's log, the benchmark JSON and its printed table.
+# Copy the table into README.md's benchmark section with the date and the GPU name.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-reports/gpu}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else "NO GPU")' | tee "$out/env.txt"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>"$out/env.txt" 2>/dev/null || true
+
+# -p no:cacheprovider: write nothing into the tree; the conftest needs only pyyaml at import.
+timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py 2>&1 | tee "$out/gpu_tests.log"
+tests_rc=${PIPESTATUS[0]}
+
+timeout 330 python3 benchmarks/train_throughput.py --mode gpu --steps 20 --rounds 3 \
+  --out "$out/train_throughput_gpu.json" 2>&1 | tee "$out/train_throughput_gpu.txt"
+bench_rc=${PIPESTATUS[0]}
+
+echo "gpu tests: exit $tests_rc; benchmark: exit $bench_rc"
+exit $(( tests_rc != 0 || bench_rc != 0 ))

@@ -1,0 +1,135 @@
+"""The training loop's parts: data order and sharding, EMA, precision choice, pretrained weights."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import timm
+import torch
+
+from pipeline.config import ConfigError, ModelConfig
+from pipeline.loop import EMA, EpochBatches
+from pipeline.model import create_model
+from pipeline.runtime import cpu_has_native_bf16, resolve_runtime
+from tests.conftest import ROOT, venv_env
+
+LABELS = np.array([0] * 70 + [1] * 20 + [2] * 10)
+
+
+def epoch_indices(sampler: EpochBatches, epoch: int, start: int = 0) -> list[int]:
+    sampler.set_epoch(epoch, start)
+    return [i for batch in sampler for i, _ in batch]
+
+
+def test_ranks_get_disjoint_equal_shares_of_a_new_order_each_epoch():
+    ranks = [EpochBatches(LABELS, 8, seed=3, rank=r, world=3) for r in range(3)]
+    shares = [epoch_indices(s, 0) for s in ranks]
+    assert len({len(s) for s in shares}) == 1 and len(shares[0]) == 32  # 100 // 3 = 33 -> 4 batches of 8
+    assert not set(shares[0]) & set(shares[1]) and not set(shares[1]) & set(shares[2])
+    assert epoch_indices(ranks[0], 1) != shares[0]
+    assert epoch_indices(ranks[0], 0) == shares[0]  # a function of (seed, epoch) alone
+
+
+def test_resuming_inside_an_epoch_yields_exactly_the_remaining_batches():
+    s = EpochBatches(LABELS, 8, seed=0)
+    s.set_epoch(5)
+    full = list(s)
+    s.set_epoch(5, start=4)
+    assert list(s) == full[4:]  # same images and the same augmentation seeds
+
+
+def test_balanced_sampling_evens_out_the_classes():
+    s = EpochBatches(np.repeat(LABELS, 20), 50, seed=0, balanced=True)
+    counts = np.bincount(np.repeat(LABELS, 20)[epoch_indices(s, 0)], minlength=3) / (len(s) * 50)
+    assert np.allclose(counts, 1 / 3, atol=0.03), counts
+
+
+def test_ema_tracks_the_weights_and_is_swapped_in_only_inside_its_block():
+    model = torch.nn.Linear(4, 2)
+    ema = EMA(model, decay=0.5)
+    start = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    ema.update(model)  # warm-up decay min(0.5, 2/11): the average moves most of the way
+    averaged = ema.shadow["weight"].clone()
+    assert torch.allclose(averaged, start + 1 - 2 / 11)
+    with ema.applied(model):
+        assert torch.equal(model.weight, averaged)
+    assert torch.equal(model.weight, start + 1)
+    off = EMA(model, decay=0.0)
+    off.update(model)
+    with off.applied(model):
+        assert torch.equal(model.weight, start + 1)
+
+
+def test_precision_is_resolved_once_by_device():
+    rt = resolve_runtime("cpu", "auto")
+    assert rt.precision == ("bf16" if cpu_has_native_bf16() else "fp32")
+    assert not rt.scaler.is_enabled()
+    with pytest.raises(RuntimeError, match="fp16 autocast is for CUDA"):
+        resolve_runtime("cpu", "fp16")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="cuda was asked for"):
+            resolve_runtime("cuda", "auto")
+
+
+def test_local_timm_weights_load_with_a_new_classifier(tmp_path):
+    source = timm.create_model("test_efficientnet", num_classes=10)
+    path = tmp_path / "weights.pth"
+    torch.save(source.state_dict(), path)
+    net = create_model(ModelConfig("test_efficientnet", str(path), 0.0, "avg", "dataset"), 4, 3)
+    got, want = net.backbone.state_dict(), source.state_dict()
+    backbone = [k for k in got if not k.startswith("classifier.")]
+    assert all(torch.equal(got[k], want[k]) for k in backbone)
+    assert got["classifier.weight"].shape == (4, want["classifier.weight"].shape[1])
+    with pytest.raises(ConfigError, match="weights file .* not found"):
+        create_model(ModelConfig("test_efficientnet", str(tmp_path / "nope.pth"), 0.0, "avg", "dataset"), 4, 3)
+
+
+def test_hub_weights_offline_fail_fast_with_advice():
+    from pipeline.model import _hub_reachable
+
+    if _hub_reachable():
+        pytest.skip("the hub is reachable here; this checks the offline behaviour")
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError, match="set model.pretrained to its local path"):
+        create_model(ModelConfig("test_efficientnet", "hub", 0.0, "avg", "dataset"), 4, 3)
+    assert time.perf_counter() - t0 < 10
+
+
+def test_throughput_benchmark_runs_both_loops_side_by_side(tmp_path):
+    out = tmp_path / "tt.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks/train_throughput.py"),
+            "--mode",
+            "loop",
+            "--model",
+            "test_efficientnet",
+            "--image-size",
+            "64",
+            "--batch-size",
+            "8",
+            "--steps",
+            "2",
+            "--rounds",
+            "2",
+            "--out",
+            str(out),
+        ],
+        env=venv_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    names = [r["name"] for r in result["results"]]
+    assert names[-1] == "plain loop" and len(names) == 2
+    assert all(r["img_s"] > 0 and len(r["rounds"]) == 2 for r in result["results"])
