@@ -72,9 +72,13 @@ def stage_loop(model: nn.Module, batches_fn, rt, grad_clip: float = 5.0, ema: fl
 
     def run(steps: int) -> int:
         progress = EpochProgress()
-        train_one_epoch(model, batches_fn(steps), crit, opt, sched, rt, averager, progress, Dist("none"), grad_clip)
+        out = train_one_epoch(
+            model, batches_fn(steps), crit, opt, sched, rt, averager, progress, Dist("none"), grad_clip
+        )
+        run.data_wait_shares.append(out["data_wait_share"])
         return progress.seen
 
+    run.data_wait_shares = []
     return run
 
 
@@ -119,10 +123,18 @@ def loop_mode(args) -> dict:
     dataset = ImageDataset(images, labels, policy)
     sampler = EpochBatches(labels, bs, seed=0)
 
-    def stage_batches(steps: int):
+    def stage_batches(steps: int, workers: int = 0):
         sampler.set_epoch(len(ours.rounds))
-        loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, generator=torch.Generator())
+        loader = torch.utils.data.DataLoader(
+            dataset, batch_sampler=sampler, num_workers=workers, generator=torch.Generator()
+        )
         return _take(loader, steps)
+
+    def loader_only(workers: int):
+        def run(steps: int) -> int:
+            return sum(len(y) for _, y in stage_batches(steps, workers))
+
+        return run
 
     cl, t = params["train"]["channels_last"], params["train"]
     ours = Contender(
@@ -130,23 +142,26 @@ def loop_mode(args) -> dict:
         stage_loop(make_model(args.model, rt.device, cl), stage_batches, rt, t["grad_clip"], t["ema"]),
     )
     plain = Contender("plain loop", plain_loop(make_model(args.model, rt.device, cl), images, labels, bs))
-    contenders = [ours, plain]
+    loaders = [Contender(f"data loader alone, {w} workers", loader_only(w)) for w in (0, 2)]
+    contenders = [ours, *loaders, plain]
     for c in contenders:  # warmup
         c.run(1)
     for _ in range(args.rounds):
         for c in contenders:
             c.timed(args.steps, lambda: None)
-    return report(
-        contenders,
-        {
-            "mode": "loop",
-            "model": args.model,
-            "image_size": size,
-            "batch_size": bs,
-            "device": platform.processor() or platform.machine(),
-            "threads": torch.get_num_threads(),
-        },
-    )
+    setup = {
+        "mode": "loop",
+        "model": args.model,
+        "image_size": size,
+        "batch_size": bs,
+        "device": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+    }
+    result = report(contenders, setup)
+    wait = statistics.median(ours.run.data_wait_shares[1:])  # the warm-up epoch excluded
+    result["stage_loop_data_wait_share"] = round(wait, 4)
+    print(f"share of the stage loop's step time spent waiting for data: {wait:.1%}")
+    return result
 
 
 class _take:

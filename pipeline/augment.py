@@ -82,6 +82,34 @@ class ImageDataset(Dataset):
         return torch.from_numpy(np.ascontiguousarray(img)), int(self.labels[i])
 
 
+def balance_copies(
+    images: np.ndarray, labels: np.ndarray, policy: A.Compose, balance: float, seed: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Extra augmented copies that raise every class to ``balance`` x the largest class's count.
+
+    Offline balancing for rare defect classes: returns (images, labels, index of the source image) of the
+    copies only, for the training split. Each copy is the policy applied to a class image in turn,
+    seeded by (seed, copy number), so the set is reproducible. ``balance`` 0 returns nothing.
+    """
+    counts = np.bincount(labels) if len(labels) else np.zeros(0, np.int64)
+    target = int(np.ceil(balance * counts.max())) if balance > 0 and len(counts) else 0
+    out, out_labels, sources = [], [], []
+    for c, n in enumerate(counts):
+        members = np.nonzero(labels == c)[0]
+        for k in range(max(0, target - n) if n else 0):
+            i = members[k % n]
+            policy.set_random_seed((seed * 1_000_003 + c * 100_003 + k) % 2**31)
+            out.append(policy(image=images[i])["image"].reshape(images[i].shape))
+            out_labels.append(c)
+            sources.append(i)
+    shape = (0, *images.shape[1:])
+    return (
+        np.stack(out) if out else np.zeros(shape, np.uint8),
+        np.array(out_labels, np.int64),
+        np.array(sources, np.int64),
+    )
+
+
 def preview(policy: A.Compose, prepared_dir: Path, per_class: int, path: Path) -> None:
     """A PNG grid, a row per class: one training image, then ``per_class`` augmented versions of it."""
     from pipeline.plots import image_grid

@@ -43,6 +43,7 @@ class ValidateConfig:
     max_pixels: int  # larger images are refused before decoding (decompression bombs)
     min_per_class: int  # the gate fails if an accepted class has fewer images
     max_bad_fraction: float  # the gate fails if a larger share of files is quarantined
+    max_label_conflicts: int  # the gate fails if more files show the same content under two labels
     near_duplicate_bits: int  # perceptual hashes (256 bits) this close are one near-duplicate group
 
 
@@ -63,6 +64,7 @@ class PrepareConfig:
 class AugmentConfig:
     policy: list[dict[str, Any]]  # albumentations transforms: [{name: HorizontalFlip, p: 0.5}, ...]
     preview_per_class: int
+    balance: float  # raise each class to this share of the largest in train, with augmented copies; 0 = off
 
 
 @dataclass(frozen=True)

@@ -62,8 +62,28 @@ def ingest_folder(source: Path, ok_class: str, images_dir: Path, masks_dir: Path
     return counts
 
 
-def ingest(cfg: DataConfig, out_dir: Path) -> dict:
-    """Fill ``out_dir/images`` (and ``out_dir/masks``) from ``cfg.source``; return a summary."""
+def ingest_batches(batches_dir: Path, images_dir: Path, counts: dict[str, int]) -> dict[str, int]:
+    """Add every batch (``batches/<name>/<class>/...``, made by ``defect ingest``) under its class folder
+    as ``<class>/batch-<name>/...``; update ``counts``; return images per batch."""
+    added: dict[str, int] = {}
+    if not batches_dir.is_dir():
+        return added
+    for batch in sorted(p for p in batches_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        n = 0
+        for folder in sorted(p for p in batch.iterdir() if p.is_dir()):
+            files = sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith("."))
+            for f in files:
+                dest = images_dir / folder.name / f"batch-{batch.name}" / f.relative_to(folder)
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(f, dest)
+            counts[folder.name] = counts.get(folder.name, 0) + len(files)
+            n += len(files)
+        added[batch.name] = n
+    return added
+
+
+def ingest(cfg: DataConfig, out_dir: Path, batches_dir: Path = Path("batches")) -> dict:
+    """Fill ``out_dir/images`` (and ``out_dir/masks``) from ``cfg.source`` and the batches; return a summary."""
     if out_dir.exists():
         shutil.rmtree(out_dir)  # a stage output: DVC expects it rebuilt from scratch
     images_dir, masks_dir = out_dir / "images", out_dir / "masks"
@@ -80,7 +100,14 @@ def ingest(cfg: DataConfig, out_dir: Path) -> dict:
             counts[r["label"]] = counts.get(r["label"], 0) + 1
     else:
         counts = ingest_folder(Path(cfg.source), cfg.ok_class, images_dir, masks_dir)
-    summary = {"source": cfg.source, "ok_class": cfg.ok_class, "counts": counts, "total": sum(counts.values())}
+    batches = ingest_batches(batches_dir, images_dir, counts)
+    summary = {
+        "source": cfg.source,
+        "ok_class": cfg.ok_class,
+        "counts": counts,
+        "total": sum(counts.values()),
+        "batches": batches,
+    }
     (out_dir / "ingest.json").write_text(json.dumps(summary, indent=2) + "\n")
     log.info("ingested %d files from %s: %s", summary["total"], cfg.source, counts)
     return summary

@@ -193,7 +193,14 @@ def train_one_epoch(
             )
         return loss / max(n, 1), corr / max(n, 1), n
 
-    for x, y in loader:  # x: (B, H, W, C) uint8, y: (B,) int64
+    batches, waited = iter(loader), 0.0
+    while True:
+        t_wait = time.perf_counter()
+        try:
+            x, y = next(batches)  # x: (B, H, W, C) uint8, y: (B,) int64
+        except StopIteration:
+            break
+        waited += time.perf_counter() - t_wait  # time the step stood idle, waiting for the data loader
         x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
         with rt.autocast():
             logits = model(x)
@@ -229,6 +236,7 @@ def train_one_epoch(
         "train_loss": mean_loss,
         "train_acc": acc,
         "train_img_s": n / max(progress.elapsed, 1e-9),
+        "data_wait_share": waited / max(progress.elapsed, 1e-9),  # of this epoch's training time
         "lr": scheduler.get_last_lr()[0],
     }
 

@@ -44,14 +44,26 @@ log = logging.getLogger(__name__)
 OPERATIONAL_KEYS = {"keep_last", "keep_best", "on_mismatch", "num_workers", "threads", "checkpoint_every_steps"}
 
 
+def load_train_split(prepared_dir: Path) -> tuple[np.ndarray, np.ndarray]:
+    """The training images plus the augment stage's balancing copies (``data/augmented/extra.npz``)."""
+    x, y, _ = load_split(prepared_dir, "train")
+    extra = prepared_dir.parent / "augmented" / "extra.npz"
+    if extra.is_file():
+        with np.load(extra) as z:
+            if len(z["labels"]):
+                x, y = np.concatenate([x, z["images"]]), np.concatenate([y, z["labels"]])
+    return x, y
+
+
 def fingerprint(params: Params, prepared_dir: Path) -> str:
     """sha256 over the params that shape the weights and the bytes of the training data."""
     h = hashlib.sha256()
     train = {k: v for k, v in as_flat_dict(params.train).items() if k not in OPERATIONAL_KEYS}
     for section in (as_flat_dict(params.model), train, as_flat_dict(params.augment), as_flat_dict(params.prepare)):
         h.update(json.dumps(section, sort_keys=True, default=str).encode())
-    for name in ("train.npz", "val.npz"):
-        h.update((prepared_dir / name).read_bytes())
+    for path in (prepared_dir / "train.npz", prepared_dir / "val.npz", prepared_dir.parent / "augmented/extra.npz"):
+        if path.is_file():
+            h.update(path.read_bytes())
     return h.hexdigest()
 
 
@@ -161,7 +173,11 @@ def build_model(params: Params, num_classes: int, channels: int, rt: Runtime, d:
     return model
 
 
-def train(params: Params, prepared_dir: Path, out_dir: Path, reports_dir: Path) -> dict | None:
+def train(
+    params: Params, prepared_dir: Path, out_dir: Path, reports_dir: Path, data_reports: Path | None = None
+) -> dict | None:
+    """Train (rank 0 returns the summary, other ranks None). ``data_reports``: the folder holding
+    ``validate/`` and ``augment/`` reports, logged into the run so it shows what data it learned from."""
     cfg = params.train
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -172,16 +188,24 @@ def train(params: Params, prepared_dir: Path, out_dir: Path, reports_dir: Path) 
     if not d.is_main:
         logging.getLogger().setLevel(logging.WARNING)
     try:
-        return _train(params, prepared_dir, out_dir, reports_dir, rt, d)
+        return _train(params, prepared_dir, out_dir, reports_dir, data_reports, rt, d)
     finally:
         d.close()
 
 
-def _train(params: Params, prepared_dir: Path, out_dir: Path, reports_dir: Path, rt: Runtime, d: Dist) -> dict | None:
+def _train(
+    params: Params,
+    prepared_dir: Path,
+    out_dir: Path,
+    reports_dir: Path,
+    data_reports: Path | None,
+    rt: Runtime,
+    d: Dist,
+) -> dict | None:
     cfg = params.train
     info = read_summary(prepared_dir)
     classes, channels = info["classes"], info["channels"]
-    x_tr, y_tr, _ = load_split(prepared_dir, "train")
+    x_tr, y_tr = load_train_split(prepared_dir)
     x_va, y_va, _ = load_split(prepared_dir, "val")
     sampler = EpochBatches(y_tr, cfg.batch_size, cfg.seed, d.rank, d.world_size, cfg.class_weighting == "sampling")
     loader = DataLoader(
@@ -189,6 +213,7 @@ def _train(params: Params, prepared_dir: Path, out_dir: Path, reports_dir: Path,
         batch_sampler=sampler,
         num_workers=cfg.num_workers,
         pin_memory=rt.device.type == "cuda",
+        persistent_workers=cfg.num_workers > 0,
         generator=torch.Generator(),  # its own seed source: iter(loader) must not consume the dropout RNG
     )
     steps = len(sampler)
@@ -273,6 +298,7 @@ def _train(params: Params, prepared_dir: Path, out_dir: Path, reports_dir: Path,
         if d.is_main:
             if state["run_id"] is None:
                 mlflow.log_params({k: str(v)[:500] for k, v in as_flat_dict(params).items() if k != "source_file"})
+                log_data_reports(data_reports)
             state["run_id"] = mlflow.active_run().info.run_id
         log.info(
             "training %s on %d images (%s, %s, %d process%s) for %d epochs of %d steps; MLflow run %s",
@@ -339,6 +365,20 @@ def _train(params: Params, prepared_dir: Path, out_dir: Path, reports_dir: Path,
         if not d.is_main:
             return None
         return finish(state, cfg, store.root, out_dir, reports_dir, rt, steps, len(y_tr))
+
+
+def log_data_reports(folder: Path | None) -> None:
+    """The validation figures as ``data_*`` metrics and the data reports as artifacts of the run."""
+    if folder is None:
+        return
+    summary = folder / "validate" / "summary.json"
+    if summary.is_file():
+        figures = json.loads(summary.read_text())
+        mlflow.log_metrics({f"data_{k}": v for k, v in figures.items() if isinstance(v, int | float)})
+        mlflow.log_metrics({f"data_count_{c}": n for c, n in figures.get("per_class", {}).items()})
+    for sub in ("validate", "augment"):
+        if (folder / sub).is_dir():
+            mlflow.log_artifacts(str(folder / sub), sub)
 
 
 def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer, ema: EMA) -> dict[str, Any]:

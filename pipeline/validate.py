@@ -25,7 +25,7 @@ from serving.preprocess import ImageDecodeError, decode_image
 
 log = logging.getLogger(__name__)
 
-MANIFEST_FIELDS = ["path", "label", "sha256", "dhash", "group", "width", "height"]
+MANIFEST_FIELDS = ["path", "label", "sha256", "dhash", "group", "width", "height", "mode"]
 
 
 class GateError(RuntimeError):
@@ -41,6 +41,7 @@ class Record:
     group: str = ""  # near-duplicate group id (the sha256 of the group's first member)
     width: int = 0
     height: int = 0
+    mode: str = ""  # the file's own pixel mode (L, RGB, RGBA, P, CMYK, I;16, ...), before conversion
     reason: str = ""  # non-empty: quarantined
 
 
@@ -51,6 +52,16 @@ def difference_hash(img: np.ndarray) -> np.ndarray:
     gray = img.mean(axis=2).astype(np.uint8)
     thumb = np.asarray(Image.fromarray(gray).resize((17, 16), Image.Resampling.BILINEAR), dtype=np.int16)
     return (thumb[:, 1:] > thumb[:, :-1]).ravel()
+
+
+def pixel_mode(data: bytes) -> str:
+    """The pixel mode the file declares (cheap: reads the header only)."""
+    from io import BytesIO
+
+    from PIL import Image
+
+    with Image.open(BytesIO(data)) as img:
+        return img.mode
 
 
 def check_file(path: Path, rel: str, label: str, cfg: ValidateConfig) -> tuple[Record, np.ndarray | None]:
@@ -66,6 +77,7 @@ def check_file(path: Path, rel: str, label: str, cfg: ValidateConfig) -> tuple[R
         rec.reason = str(exc).replace("<bytes>", "image")
         return rec, None
     rec.height, rec.width = img.shape[:2]
+    rec.mode = pixel_mode(data)
     if min(rec.width, rec.height) < cfg.min_side:
         rec.reason = f"too small: {rec.width}x{rec.height}, the shorter side must be at least {cfg.min_side} px"
         return rec, None
@@ -141,6 +153,12 @@ def validate(images_dir: Path, classes: list[str], cfg: ValidateConfig) -> tuple
 
     counts = {c: sum(r.label == c for r in accepted) for c in classes}
     groups = len({r.group for r in accepted})
+    labels_of: dict[str, set[str]] = {}
+    for r in accepted:
+        labels_of.setdefault(r.group, set()).add(r.label)
+    # Near-duplicates under two labels: not provably wrong (an OK part and the same part with a faint
+    # scratch look alike), so they are kept, in one split, and listed for a person to look at.
+    mixed = [r.path for r in accepted if len(labels_of[r.group]) > 1]
     summary = {
         "files": len(files),
         "accepted": len(accepted),
@@ -149,26 +167,40 @@ def validate(images_dir: Path, classes: list[str], cfg: ValidateConfig) -> tuple
         "label_conflicts": sum(r.reason.startswith("label conflict") for r in quarantined),
         "exact_duplicates": sum(r.reason.startswith("exact duplicate") for r in quarantined),
         "near_duplicate_images": len(accepted) - groups,
+        "near_duplicates_across_labels": len(mixed),
         "classes": len(classes),
         "per_class": counts,
         "min_class_count": min(counts.values()) if counts else 0,
+        "empty_classes": sum(n == 0 for n in counts.values()),
     }
+    if mixed:
+        log.warning("%d near-duplicate images carry different labels, e.g. %s", len(mixed), ", ".join(mixed[:4]))
     return accepted, quarantined, summary
 
 
 def gate(summary: dict, quarantined: list[Record], cfg: ValidateConfig) -> None:
     """Raise GateError when a threshold is crossed; below them, quarantined files are simply left out."""
-    worst = "; ".join(f"{r.path}: {r.reason}" for r in quarantined[:5])
+
+    def worst(records: list[Record]) -> str:
+        shown = "; ".join(f"{r.path}: {r.reason}" for r in records[:5])
+        return shown + (f" (and {len(records) - 5} more in data/validated/quarantine.csv)" if len(records) > 5 else "")
+
     if summary["bad_fraction"] > cfg.max_bad_fraction:
         raise GateError(
             f"validate gate: {summary['bad_fraction']:.1%} of files were quarantined, above "
-            f"validate.max_bad_fraction={cfg.max_bad_fraction:.1%}. First: {worst}"
+            f"validate.max_bad_fraction={cfg.max_bad_fraction:.1%}. Worst: {worst(quarantined)}"
+        )
+    if summary["label_conflicts"] > cfg.max_label_conflicts:
+        conflicts = [r for r in quarantined if r.reason.startswith("label conflict")]
+        raise GateError(
+            f"validate gate: {summary['label_conflicts']} files have the same content under two labels, above "
+            f"validate.max_label_conflicts={cfg.max_label_conflicts}. Fix the labels: {worst(conflicts)}"
         )
     small = {c: n for c, n in summary["per_class"].items() if n < cfg.min_per_class}
     if small:
         raise GateError(
             f"validate gate: classes below validate.min_per_class={cfg.min_per_class}: "
-            + ", ".join(f"{c} ({n})" for c, n in small.items())
+            + ", ".join(f"{c} ({n}{', empty' if n == 0 else ''})" for c, n in small.items())
         )
 
 
@@ -190,6 +222,9 @@ def write_outputs(
     (report_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     lines = ["# Validation report", "", "| figure | value |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in summary.items() if k != "per_class"]
+    empty = [c for c, n in summary["per_class"].items() if n == 0]
+    if empty:
+        lines += ["", f"**Empty classes** (no accepted image): {', '.join(empty)}"]
     lines += ["", "| class | accepted images |", "|---|---|"]
     lines += [f"| {c} | {n} |" for c, n in summary["per_class"].items()]
     if quarantined:

@@ -62,7 +62,9 @@ def decode_image(
         with Image.open(io.BytesIO(data)) as img:
             w, h = img.size
             if w * h > max_pixels:
-                raise ImageDecodeError(f"{name}: {w}x{h} = {w * h} pixels exceeds the limit of {max_pixels}")
+                raise ImageDecodeError(
+                    f"{name}: {w}x{h} = {w * h} pixels exceeds the limit of {max_pixels} pixels (not decoded)"
+                )
             if draft_size and img.format == "JPEG":
                 img.draft("L" if channels == 1 else "RGB", (draft_size, draft_size))
             img.load()  # full decode now: a truncated file fails here, not later
@@ -71,9 +73,13 @@ def decode_image(
             arr = np.asarray(img, dtype=np.uint8)
     except ImageDecodeError:
         raise
+    except Image.DecompressionBombError as exc:  # Pillow's own guard fired first, at open
+        raise ImageDecodeError(
+            f"{name}: declared size exceeds the limit of {max_pixels} pixels, refused before decoding ({exc})"
+        ) from None
     except UnidentifiedImageError:
         raise ImageDecodeError(f"{name}: not a recognised image format") from None
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+    except (OSError, SyntaxError, ValueError) as exc:
         raise ImageDecodeError(f"{name}: cannot decode ({exc})") from None
     return arr.reshape(arr.shape[0], arr.shape[1], channels)
 

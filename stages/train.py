@@ -24,7 +24,7 @@ def main(params):
             print(f"\ntrain: error: a training process failed (exit {rc}); see its message above", file=sys.stderr)
             sys.exit(rc)
         return
-    summary = train(params, Path("data/prepared"), Path("models/train"), Path("reports/train"))
+    summary = train(params, Path("data/prepared"), Path("models/train"), Path("reports/train"), Path("reports"))
     if summary is not None:  # rank 0
         print(f"train: {summary}")
 

@@ -131,5 +131,7 @@ def test_throughput_benchmark_runs_both_loops_side_by_side(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
     names = [r["name"] for r in result["results"]]
-    assert names[-1] == "plain loop" and len(names) == 2
+    assert names[0].startswith("stage loop") and names[-1] == "plain loop"
+    assert "data loader alone, 0 workers" in names and "data loader alone, 2 workers" in names
     assert all(r["img_s"] > 0 and len(r["rounds"]) == 2 for r in result["results"])
+    assert 0 <= result["stage_loop_data_wait_share"] < 1

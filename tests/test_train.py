@@ -60,10 +60,10 @@ def ckpt_dir(workdir: Path) -> Path:
 
 
 def history(workdir: Path) -> list[list[str]]:
-    """reports/train/history.csv without its throughput column (a timing, different in every run)."""
+    """reports/train/history.csv without its timing columns (different in every run)."""
     rows = [line.split(",") for line in (workdir / "reports/train/history.csv").read_text().splitlines()]
-    col = rows[0].index("train_img_s")
-    return [r[:col] + r[col + 1 :] for r in rows]
+    keep = [i for i, name in enumerate(rows[0]) if name not in ("train_img_s", "data_wait_share")]
+    return [[r[i] for i in keep] for r in rows]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,53 @@
+"""``defect``: the pipeline's command line for people (the stages themselves run through ``dvc repro``).
+
+defect ingest NEW_FOLDER [--name NAME]   # add a batch of newly labeled images, then `dvc repro`
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from pipeline.batches import BATCHES_DIR, add_batch, dvc_track
+from pipeline.config import ConfigError, load_params
+
+
+def ingest_command(args: argparse.Namespace) -> int:
+    params = load_params(args.params)
+    report = add_batch(args.folder, params, args.name, allow_new_class=args.allow_new_class)
+    added, dropped = len(report["added"]), len(report["dropped"])
+    print(f"batch {report['name']}: {added} images added {report['counts']}, {dropped} dropped")
+    for d in report["dropped"]:
+        print(f"  dropped {d['path']}: {d['reason']}")
+    for w in report["warnings"]:
+        print(f"  warning {w}")
+    if report["added"] and not args.no_dvc:
+        print(dvc_track(BATCHES_DIR / report["name"]))
+    print(f"report: {BATCHES_DIR / (report['name'] + '.json')}; next: dvc repro (retrains on old plus new)")
+    conflicts = sum(d["reason"].startswith("label conflict") for d in report["dropped"])
+    return 3 if conflicts and args.strict else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    ap = argparse.ArgumentParser(prog="defect", description="Defect-detection pipeline tools")
+    sub = ap.add_subparsers(dest="command", required=True)
+    ing = sub.add_parser("ingest", help="add a folder of newly labeled images (class subfolders) as a batch")
+    ing.add_argument("folder", type=Path)
+    ing.add_argument("--name", help="batch name (default: the current date and time)")
+    ing.add_argument("--params", default="params.yaml")
+    ing.add_argument("--allow-new-class", action="store_true", help="accept class folders the dataset lacks")
+    ing.add_argument("--no-dvc", action="store_true", help="do not `dvc add` the batch folder")
+    ing.add_argument("--strict", action="store_true", help="exit 3 when any label conflict was found")
+    args = ap.parse_args(argv)
+    try:
+        return ingest_command(args)
+    except ConfigError as exc:
+        print(f"defect {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
