@@ -109,9 +109,24 @@ class EvaluateConfig:
 
 
 @dataclass(frozen=True)
+class Int8Config:
+    calibration_images: int  # drawn from the training split
+    calibration_method: Literal["MinMax", "Entropy", "Percentile"]
+    per_channel: bool  # per-output-channel weight scales
+    op_types: list[str]  # op types quantized; all others stay float
+    exclude_nodes: list[str]  # node names kept float even if their op type is listed
+
+
+@dataclass(frozen=True)
 class ExportConfig:
     opset: int
     max_abs_diff: float  # fp32 ONNX vs PyTorch, on class probabilities
+    variants: list[Literal["fp32", "fp16", "int8"]]  # fp32 is always made
+    int8: Int8Config
+    max_defect_recall_drop: float  # a variant losing more defect recall than this vs fp32 is not deployable
+    max_accuracy_drop: float
+    min_speedup: dict[str, float]  # per variant, batch-1 latency vs fp32 on this machine's provider
+    latency_repeats: int
 
 
 @dataclass(frozen=True)

@@ -8,16 +8,14 @@ test images, within ``export.max_abs_diff``; otherwise the export is broken and 
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
-import numpy as np
 import onnx
 import torch
 
 from pipeline.model import DefectNet, ExportHead
-from serving.card import ModelCard, sha256_file
+from serving.card import ModelCard
 
 log = logging.getLogger(__name__)
 
@@ -44,27 +42,7 @@ def export_onnx(
     )
     model = onnx.load(str(path))
     onnx.checker.check_model(model, full_check=True)  # full_check runs strict shape inference too
-    meta = json.loads(card.to_json())
-    meta.pop("sha256")  # a file cannot carry its own hash
-    onnx.helper.set_model_props(model, {"model_card": json.dumps(meta, sort_keys=True)})
+    from pipeline.variants import set_card_metadata
+
+    set_card_metadata(model, card)
     onnx.save(model, str(path))
-
-
-def parity(torch_probs: np.ndarray, onnx_probs: np.ndarray, threshold: float, ok_index: int) -> dict:
-    diff = np.abs(torch_probs - onnx_probs)
-    flips = ((1 - torch_probs[:, ok_index]) >= threshold) != ((1 - onnx_probs[:, ok_index]) >= threshold)
-    return {
-        "max_abs_diff": float(diff.max()),
-        "mean_abs_diff": float(diff.mean()),
-        "decision_flips": int(flips.sum()),
-        "argmax_flips": int((torch_probs.argmax(1) != onnx_probs.argmax(1)).sum()),
-        "images": int(len(torch_probs)),
-    }
-
-
-def finish_card(card: ModelCard, model_path: Path, parity_report: dict) -> ModelCard:
-    from dataclasses import replace
-
-    card = replace(card, sha256=sha256_file(model_path), parity=parity_report)
-    card.write(model_path.with_name(model_path.stem + ".card.json"))
-    return card

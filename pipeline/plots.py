@@ -73,3 +73,23 @@ def image_grid(
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+def variants_plot(report: dict, path: Path) -> None:
+    """Export variants side by side: accuracy and defect recall (left), batch-1 latency (right)."""
+    names = list(report)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4))
+    x = np.arange(len(names))
+    for k, (key, label) in enumerate([("accuracy", "accuracy"), ("defect_recall", "defect recall")]):
+        bars = left.bar(x + (k - 0.5) * 0.38, [report[n][key] for n in names], 0.38, label=label)
+        left.bar_label(bars, fmt="%.3f", fontsize=7)
+    left.set_xticks(x, names)
+    left.set_ylim(0, 1.1)
+    left.legend(loc="lower right", fontsize=8)
+    left.set_title("test set, at the card's threshold")
+    bars = right.bar(names, [report[n]["latency"]["batch_1_p50_ms"] for n in names], color="#dd8452")
+    right.bar_label(bars, fmt="%.1f ms", fontsize=8)
+    right.set_title("batch-1 latency p50 (this machine)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -45,6 +45,7 @@ class ModelCard:
     training_run_id: str = ""
     data_fingerprint: str = ""
     parity: dict[str, Any] = field(default_factory=dict)
+    recommended: dict[str, str] = field(default_factory=dict)  # execution provider -> variant to run there
     outputs: dict[str, str] = field(
         default_factory=lambda: {"probs": "(N, K) float32 class probabilities", "defect_score": "(N,) 1 - p(ok)"}
     )

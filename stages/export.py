@@ -1,4 +1,5 @@
-"""Stage export: ONNX (uint8 in, probabilities + defect score out) with its model card and parity check."""
+"""Stage export: fp32, fp16 and int8 ONNX (uint8 in, probabilities + defect score out), each scored on
+the test set against PyTorch, gated, and described by its model card."""
 
 import json
 from pathlib import Path
@@ -6,17 +7,42 @@ from pathlib import Path
 from pipeline import tracking
 from pipeline.entry import run_stage
 from pipeline.evaluate import softmax
-from pipeline.export import ParityError, export_onnx, finish_card, parity
-from pipeline.prepare import load_split
+from pipeline.export import ParityError, export_onnx
+from pipeline.plots import variants_plot
+from pipeline.prepare import load_split, read_summary
 from pipeline.runtime import resolve_runtime
 from pipeline.train import load_model, predict_logits
-from serving.card import InputSpec, ModelCard
+from pipeline.variants import (
+    calibration_images,
+    compare,
+    finish_cards,
+    gate,
+    latencies,
+    make_fp16,
+    make_int8,
+    recommend,
+    scores,
+    variant_path,
+)
+from serving.card import InputSpec, ModelCard, card_path_for, sha256_file
 from serving.runner import Runner
+
+NUMERIC = (
+    "accuracy",
+    "defect_recall",
+    "false_alarm_rate",
+    "decision_flips",
+    "score_max_abs_diff",
+    "score_mean_abs_diff",
+    "prob_max_abs_diff",
+    "model_bytes",
+    "speedup_vs_fp32",
+)
 
 
 def main(params):
+    cfg, prepared = params.export, Path("data/prepared")
     net, meta = load_model(Path("models/train/model.pt"))
-    run_id = tracking.read_run_id(Path("models/train/run.json"))
     threshold = json.loads(Path("reports/evaluate/metrics.json").read_text())["threshold"]
     card = ModelCard(
         name=params.mlflow.experiment,
@@ -25,38 +51,100 @@ def main(params):
         ok_class=meta["ok_class"],
         input=InputSpec(meta["image_size"], meta["channels"], meta["resize"]),
         threshold=threshold,
-        training_run_id=run_id,
+        training_run_id=tracking.read_run_id(Path("models/train/run.json")),
         data_fingerprint=meta["fingerprint"],
     )
-    path = Path("models/export/model.onnx")
-    export_onnx(net, card.ok_index, meta["image_size"], meta["channels"], params.export.opset, path, card)
+    fp32 = Path("models/export/model.onnx")
+    export_onnx(net, card.ok_index, meta["image_size"], meta["channels"], cfg.opset, fp32, card)
+    paths = {"fp32": fp32}
+    if "fp16" in cfg.variants:
+        paths["fp16"] = variant_path(fp32, "fp16")
+        make_fp16(fp32, paths["fp16"])
+    if "int8" in cfg.variants:
+        paths["int8"] = variant_path(fp32, "int8")
+        x_train, _, _ = load_split(prepared, "train")
+        make_int8(fp32, paths["int8"], calibration_images(x_train, cfg.int8.calibration_images, 0), cfg)
+    for v, path in paths.items():  # provisional cards, so the runner (which checks the sha256) loads them
+        ModelCard(**{**card.__dict__, "variant": v, "sha256": sha256_file(path)}).write(card_path_for(path))
 
-    # Parity on the real test images: PyTorch vs the edge runner running the exported file.
-    x_test, _, _ = load_split(Path("data/prepared"), "test")
+    # Every variant, through the edge runner itself, against PyTorch on all test images.
+    x_test, y_test, test_paths = load_split(prepared, "test")
     torch_probs = softmax(predict_logits(net, x_test, resolve_runtime("cpu", "fp32")))
-    card = finish_card(card, path, {})
-    runner = Runner(path, providers="cpu")
-    onnx_probs = runner.predict(x_test)[0]
-    report = {
-        **parity(torch_probs, onnx_probs, threshold, card.ok_index),
-        "limit": params.export.max_abs_diff,
-        "model_bytes": path.stat().st_size,
-    }
-    finish_card(card, path, report)
+    runners = {v: Runner(p, providers="cpu", spin=False, force=True) for v, p in paths.items()}
+    report = {}
+    for v, runner in runners.items():
+        probs = runner.predict(x_test)[0]
+        report[v] = {
+            **scores(probs, y_test, card.classes, card.ok_index, threshold),
+            **compare(torch_probs, probs, test_paths, card.ok_index, threshold),
+            "model_bytes": paths[v].stat().st_size,
+        }
+    lat = latencies(runners, x_test, cfg.latency_repeats, [1, 32])
+    for v in report:
+        report[v]["latency"] = lat[v]
+        report[v]["speedup_vs_fp32"] = lat["fp32"]["batch_1_p50_ms"] / lat[v]["batch_1_p50_ms"]
+    reasons = gate(report, cfg)
+    recommended = recommend(report, reasons)
+    for v in report:
+        report[v] |= {"deployable": not reasons[v], "not_deployable_reason": reasons[v]}
+    finish_cards(card, paths, report, reasons, recommended)
+
     out = Path("reports/export")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "parity.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "variants.json").write_text(json.dumps({"recommended": recommended, "variants": report}, indent=2) + "\n")
+    metrics = {v: {k: float(r[k]) for k in NUMERIC} | {"deployable": int(not reasons[v])} for v, r in report.items()}
+    (out / "parity.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    (out / "variants.md").write_text(markdown_table(report, recommended, read_summary(prepared)["classes"]))
+    variants_plot(report, out / "variants.png")
     with tracking.resume_run(params.mlflow, Path("models/train/run.json")):
         import mlflow
 
-        mlflow.log_metrics({f"export_{k}": float(v) for k, v in report.items()})
+        mlflow.log_metrics({f"export_{v}_{k}": val for v, m in metrics.items() for k, val in m.items()})
+        mlflow.set_tags({f"export.recommended.{p}": v for p, v in recommended.items()})
         mlflow.log_artifacts("models/export", "export")
-    print(f"export: {report}")
-    if report["max_abs_diff"] > params.export.max_abs_diff:
-        raise ParityError(
-            f"ONNX vs PyTorch max probability difference {report['max_abs_diff']:.3g} exceeds "
-            f"export.max_abs_diff={params.export.max_abs_diff} on {report['images']} test images"
+        mlflow.log_artifacts(str(out), "export_report")
+    for v, r in report.items():
+        state = "deployable" if r["deployable"] else f"NOT deployable: {r['not_deployable_reason']}"
+        print(
+            f"export {v}: accuracy {r['accuracy']:.3f}, defect recall {r['defect_recall']:.3f}, "
+            f"{r['decision_flips']} flips, {r['latency']['batch_1_p50_ms']:.1f} ms, {state}"
         )
+    print(f"export: recommended {recommended}")
+    if reasons["fp32"]:
+        raise ParityError(
+            f"the fp32 export itself is broken: ONNX vs PyTorch max probability difference "
+            f"{report['fp32']['prob_max_abs_diff']:.3g} exceeds export.max_abs_diff={cfg.max_abs_diff} "
+            f"on {len(y_test)} test images"
+        )
+
+
+def markdown_table(report: dict, recommended: dict, classes: list[str]) -> str:
+    cols = (
+        "variant | deployable | accuracy | defect recall | false alarms | flips | score max diff | MB | ms b1 | ms b32"
+    )
+    head = f"| {cols} |"
+    lines = ["# Export variants (test set, at the model card's threshold)", "", head, "|" + "---|" * 10]
+    for v, r in report.items():
+        lines.append(
+            f"| {v} | {'yes' if r['deployable'] else 'no: ' + r['not_deployable_reason']} | {r['accuracy']:.3f} "
+            f"| {r['defect_recall']:.3f} | {r['false_alarm_rate']:.3f} | {r['decision_flips']} "
+            f"| {r['score_max_abs_diff']:.2g} | {r['model_bytes'] / 1e6:.1f} | {r['latency']['batch_1_p50_ms']:.1f} "
+            f"| {r['latency']['batch_32_p50_ms']:.0f} |"
+        )
+    lines += [
+        "",
+        "Per-class recall:",
+        "",
+        "| variant | " + " | ".join(classes) + " |",
+        "|" + "---|" * (len(classes) + 1),
+    ]
+    for v, r in report.items():
+        lines.append(f"| {v} | " + " | ".join(f"{r['per_class_recall'][c]:.3f}" for c in classes) + " |")
+    lines += ["", f"Recommended per execution provider: {recommended}", ""]
+    for v, r in report.items():
+        if r["flipped_images"]:
+            lines.append(f"- {v} flips the decision on: {', '.join(r['flipped_images'])}")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -10,13 +10,16 @@ import sys
 import numpy as np
 import pytest
 import torch
+import yaml
 
+from pipeline.config import params_from_dict
 from pipeline.evaluate import softmax
-from pipeline.export import export_onnx, parity
+from pipeline.export import export_onnx
 from pipeline.model import DefectNet
 from pipeline.prepare import load_split
 from pipeline.runtime import resolve_runtime
 from pipeline.train import load_model, predict_logits
+from pipeline.variants import compare, gate
 from serving.card import ModelCard
 from serving.preprocess import load_image
 from serving.runner import Runner, RunnerError
@@ -135,13 +138,15 @@ def test_onnx_metadata_carries_the_card(model):
     props = {p.key: p.value for p in onnx.load(str(onnx_path)).metadata_props}
     embedded = json.loads(props["model_card"])
     sidecar = json.loads(onnx_path.with_name("model.card.json").read_text())
-    assert embedded == {k: v for k, v in sidecar.items() if k not in ("sha256", "parity")} | {"parity": {}}
+    assert embedded == {k: v for k, v in sidecar.items() if k != "sha256"}
+    assert embedded["parity"]["prob_max_abs_diff"] < 1e-3 and embedded["variant"] == "fp32"
 
 
 def test_a_broken_export_is_caught_by_parity(model, tmp_path):
     import copy
+    import dataclasses
 
-    from pipeline.export import finish_card
+    from serving.card import card_path_for, sha256_file
 
     net, meta, onnx_path = model
     # A briefly trained tiny net is nearly uniform whatever its input; give its head real weights so a
@@ -153,15 +158,20 @@ def test_a_broken_export_is_caught_by_parity(model, tmp_path):
     card = ModelCard.read(onnx_path.with_name("model.card.json"))
     path = tmp_path / "broken.onnx"
     export_onnx(broken, card.ok_index, card.input.size, card.input.channels, 17, path, card)
-    finish_card(card, path, {})
+    dataclasses.replace(card, sha256=sha256_file(path)).write(card_path_for(path))
     images = np.random.default_rng(1).integers(0, 256, (16, card.input.size, card.input.size, 3), np.uint8)
-    report = parity(
+    paths = [f"random{i}" for i in range(16)]
+    report = compare(
         softmax(predict_logits(reference, images, CPU)),
         Runner(path, providers="cpu").predict(images)[0],
-        card.threshold,
+        paths,
         card.ok_index,
+        card.threshold,
     )
-    assert report["max_abs_diff"] > 1e-2
+    cfg = params_from_dict(yaml.safe_load((ROOT / "params.yaml").read_text())).export
+    assert report["prob_max_abs_diff"] > 1e-2
+    reason = gate({"fp32": report}, cfg)["fp32"]  # what the export stage fails on
+    assert "export.max_abs_diff" in reason
 
 
 def test_asking_for_cuda_without_a_gpu_fails_clearly_unless_fallback_allowed(model):

@@ -1,0 +1,200 @@
+"""Export variants: fp16 and int8 ONNX files beside the fp32 one, each proven on the whole test set.
+
+- fp16: weights and activations in half precision (onnxruntime's converter); the uint8 image input and
+  the float32 outputs stay as the runner expects them (``keep_io_types``).
+- int8: static quantization in QDQ format with per-channel weights, calibrated on images drawn from
+  the training split (count and method in ``export.int8``). Only the op types listed there are
+  quantized; everything else (the normalization at the input, softmax) stays float. EfficientNet's
+  SiLU and squeeze-excite are known to suffer in int8; tf_efficientnet_lite0 has neither.
+
+Every variant is scored against the fp32 model on the test images (accuracy, per-class recall, defect
+recall and false alarms at the card's threshold, decisions that flip and which images, score
+differences, file size, latency side by side) and gated: a variant that loses too much recall or
+accuracy, or is not fast enough, stays on disk for inspection but its card says it is not deployable
+and why. The card also names the variant to use per execution provider.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from pipeline.bench import batches, interleaved
+from pipeline.config import ExportConfig
+from serving.card import ModelCard, card_path_for, sha256_file
+from serving.runner import Runner
+
+log = logging.getLogger(__name__)
+
+
+def variant_path(fp32_path: Path, variant: str) -> Path:
+    """``models/export/model.onnx`` -> ``model.fp16.onnx`` / ``model.int8.onnx`` (fp32 keeps its name)."""
+    return fp32_path if variant == "fp32" else fp32_path.with_name(f"{fp32_path.stem}.{variant}.onnx")
+
+
+def set_card_metadata(model: onnx.ModelProto, card: ModelCard) -> None:
+    meta = json.loads(card.to_json())
+    meta.pop("sha256")  # a file cannot carry its own hash
+    for prop in list(model.metadata_props):
+        if prop.key == "model_card":
+            model.metadata_props.remove(prop)
+    onnx.helper.set_model_props(model, {"model_card": json.dumps(meta, sort_keys=True)})
+
+
+def make_fp16(fp32_path: Path, out: Path) -> None:
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    model = convert_float_to_float16(onnx.load(str(fp32_path)), keep_io_types=True)
+    onnx.save(model, str(out))
+
+
+def make_int8(fp32_path: Path, out: Path, calibration: np.ndarray, cfg: ExportConfig) -> None:
+    """QDQ static quantization calibrated on ``calibration`` (N, S, S, C) uint8 training images."""
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        CalibrationMethod,
+        QuantFormat,
+        QuantType,
+        quantize_static,
+    )
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    class Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self.batches = iter([{"image": calibration[i : i + 16]} for i in range(0, len(calibration), 16)])
+
+        def get_next(self) -> dict | None:
+            return next(self.batches, None)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        pre = Path(tmp) / "pre.onnx"
+        quant_pre_process(str(fp32_path), str(pre))  # shape inference + graph optimizations first
+        quantize_static(
+            str(pre),
+            str(out),
+            Reader(),
+            quant_format=QuantFormat.QDQ,
+            per_channel=cfg.int8.per_channel,
+            activation_type=QuantType.QUInt8,
+            weight_type=QuantType.QInt8,
+            calibrate_method=CalibrationMethod[cfg.int8.calibration_method],
+            op_types_to_quantize=cfg.int8.op_types,
+            nodes_to_exclude=cfg.int8.exclude_nodes,
+        )
+
+
+def calibration_images(images: np.ndarray, count: int, seed: int) -> np.ndarray:
+    idx = np.random.default_rng(seed).permutation(len(images))[:count]
+    return images[np.sort(idx)]
+
+
+def scores(probs: np.ndarray, labels: np.ndarray, classes: list[str], ok_index: int, threshold: float) -> dict:
+    """Accuracy, per-class recall, and defect recall / false-alarm rate at the threshold."""
+    flagged = (1.0 - probs[:, ok_index]) >= threshold
+    is_defect = labels != ok_index
+    return {
+        "accuracy": float((probs.argmax(1) == labels).mean()),
+        "per_class_recall": {
+            c: float((probs.argmax(1)[labels == i] == i).mean()) if (labels == i).any() else None
+            for i, c in enumerate(classes)
+        },
+        "defect_recall": float(flagged[is_defect].mean()) if is_defect.any() else 1.0,
+        "false_alarm_rate": float(flagged[~is_defect].mean()) if (~is_defect).any() else 0.0,
+    }
+
+
+def compare(reference: np.ndarray, probs: np.ndarray, paths: list[str], ok_index: int, threshold: float) -> dict:
+    """How a variant's outputs differ from PyTorch's on the same images."""
+    ref_score, score = 1.0 - reference[:, ok_index], 1.0 - probs[:, ok_index]
+    flips = np.nonzero((ref_score >= threshold) != (score >= threshold))[0]
+    return {
+        "decision_flips": int(len(flips)),
+        "flipped_images": [paths[i] for i in flips][:50],
+        "score_max_abs_diff": float(np.abs(ref_score - score).max()),
+        "score_mean_abs_diff": float(np.abs(ref_score - score).mean()),
+        "prob_max_abs_diff": float(np.abs(reference - probs).max()),
+    }
+
+
+def latencies(runners: dict[str, Runner], images: np.ndarray, repeats: int, batch_sizes: list[int]) -> dict:
+    """p50 latency per variant and batch size on the runner's provider, interleaved in one process."""
+    out: dict[str, dict] = {v: {} for v in runners}
+    for bs in batch_sizes:
+        batch = batches(images, bs)
+        calls = {v: (lambda r=r, b=batch: r.predict(b)) for v, r in runners.items()}
+        res = interleaved(calls, bs, repeats, warmup=2)
+        for v in runners:
+            out[v][f"batch_{bs}_p50_ms"] = res[v]["p50_ms"]
+    return out
+
+
+def gate(report: dict, cfg: ExportConfig) -> dict[str, str]:
+    """The reason each variant is not deployable ('' when it is), against fp32 and export.* limits."""
+    ref = report["fp32"]
+    reasons = {}
+    for v, r in report.items():
+        why = []
+        if v == "fp32":
+            if r["prob_max_abs_diff"] > cfg.max_abs_diff:
+                why.append(f"differs from PyTorch by {r['prob_max_abs_diff']:.3g} > export.max_abs_diff")
+        else:
+            drop = ref["defect_recall"] - r["defect_recall"]
+            if drop > cfg.max_defect_recall_drop:
+                why.append(
+                    f"defect recall {r['defect_recall']:.3f} vs fp32 {ref['defect_recall']:.3f}: drop {drop:.3f} > "
+                    f"export.max_defect_recall_drop={cfg.max_defect_recall_drop}"
+                )
+            acc_drop = ref["accuracy"] - r["accuracy"]
+            if acc_drop > cfg.max_accuracy_drop:
+                why.append(
+                    f"accuracy {r['accuracy']:.3f} vs fp32 {ref['accuracy']:.3f}: drop {acc_drop:.3f} > "
+                    f"export.max_accuracy_drop={cfg.max_accuracy_drop}"
+                )
+            need = cfg.min_speedup.get(v, 0.0)
+            if r["speedup_vs_fp32"] < need:
+                why.append(f"speedup {r['speedup_vs_fp32']:.2f}x < export.min_speedup.{v}={need}")
+        reasons[v] = "; ".join(why)
+    return reasons
+
+
+def recommend(report: dict, reasons: dict[str, str]) -> dict[str, str]:
+    """The variant to run per execution provider, among the deployable ones.
+
+    CPU: the fastest at batch 1 as measured here. CUDA: fp16 (int8 QDQ on the plain CUDA provider is
+    slower than fp32: it has no int8 convolution kernels). TensorRT: int8, else fp16 (it builds int8
+    engines from QDQ graphs). A provider whose candidates all failed gets fp32.
+    """
+    ok = [v for v in report if not reasons[v]]
+    if not ok:
+        return {}
+    cpu = min(ok, key=lambda v: report[v]["latency"]["batch_1_p50_ms"])
+
+    def first(*order: str) -> str:
+        return next((v for v in order if v in ok), ok[0])
+
+    return {"cpu": cpu, "cuda": first("fp16", "fp32"), "tensorrt": first("int8", "fp16", "fp32")}
+
+
+def finish_cards(base: ModelCard, paths: dict[str, Path], report: dict, reasons: dict, recommended: dict) -> None:
+    """Write each variant's card: in its ONNX metadata and as the sidecar with the file's sha256."""
+    for v, path in paths.items():
+        figures = {k: val for k, val in report[v].items() if k != "flipped_images"}
+        card = dataclasses.replace(
+            base,
+            variant=v,
+            deployable=not reasons[v],
+            not_deployable_reason=reasons[v],
+            parity=figures,
+            recommended=recommended,
+        )
+        model = onnx.load(str(path))
+        set_card_metadata(model, card)
+        onnx.save(model, str(path))
+        card = dataclasses.replace(card, sha256=sha256_file(path))
+        card.write(card_path_for(path))

@@ -1,0 +1,70 @@
+"""fp16 and int8 variants: scored against fp32 on the test set, gated, and the gate respected."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from pipeline.prepare import load_split
+from serving.card import ModelCard, card_path_for, sha256_file
+from serving.runner import Runner, RunnerError
+from tests.conftest import run_stages_in, tiny_params
+
+VARIANTS = ("fp32", "fp16", "int8")
+
+
+def export_dir(project):
+    return project / "models/export"
+
+
+def test_every_variant_is_written_with_a_card_that_matches_its_file(exported_project):
+    report = json.loads((exported_project / "reports/export/variants.json").read_text())
+    for v in VARIANTS:
+        path = export_dir(exported_project) / ("model.onnx" if v == "fp32" else f"model.{v}.onnx")
+        card = ModelCard.read(card_path_for(path))
+        assert card.variant == v and card.sha256 == sha256_file(path)
+        assert card.parity["accuracy"] == pytest.approx(report["variants"][v]["accuracy"])
+        assert card.recommended == report["recommended"]
+        row = report["variants"][v]
+        for key in ("defect_recall", "false_alarm_rate", "decision_flips", "score_max_abs_diff", "model_bytes"):
+            assert key in row
+        assert set(row["per_class_recall"]) == set(card.classes)
+        assert row["latency"]["batch_1_p50_ms"] > 0
+    assert report["recommended"]["cuda"] != "int8"  # QDQ int8 on the plain CUDA provider is slower than fp32
+    sizes = {v: report["variants"][v]["model_bytes"] for v in VARIANTS}
+    assert sizes["int8"] < sizes["fp16"] < sizes["fp32"]
+    for name in ("variants.md", "variants.png", "parity.json"):
+        assert (exported_project / "reports/export" / name).stat().st_size > 0
+
+
+def test_variants_score_the_test_set_like_fp32(exported_project):
+    x_test, _, _ = load_split(exported_project / "data/prepared", "test")
+    fp32 = Runner(export_dir(exported_project) / "model.onnx", providers="cpu").predict(x_test)[1]
+    report = json.loads((exported_project / "reports/export/variants.json").read_text())["variants"]
+    for v in ("fp16", "int8"):
+        runner = Runner(export_dir(exported_project) / f"model.{v}.onnx", providers="cpu", force=True)
+        probs, score = runner.predict(x_test)
+        assert probs.dtype == np.float32 and score.shape == fp32.shape  # the runner's contract holds
+        assert np.abs(score - fp32).max() == pytest.approx(report[v]["score_max_abs_diff"], abs=2e-3)
+    assert report["fp16"]["score_max_abs_diff"] < 0.01
+
+
+def test_the_gate_marks_a_variant_not_deployable_and_the_runner_refuses_it(exported_project, tmp_path):
+    shutil.copytree(exported_project, tmp_path, dirs_exist_ok=True)
+    params = tiny_params(**{"model.name": "test_efficientnet"})
+    params["export"]["max_defect_recall_drop"] = -1.0  # no variant can meet this: it must be marked, not shipped
+    run_stages_in(tmp_path, params, ["export"])  # fp32 still passes parity, so the stage succeeds
+    for v in ("fp16", "int8"):
+        path = export_dir(tmp_path) / f"model.{v}.onnx"
+        card = ModelCard.read(card_path_for(path))
+        assert not card.deployable and "export.max_defect_recall_drop=-1.0" in card.not_deployable_reason
+        with pytest.raises(RunnerError, match="not deployable"):
+            Runner(path, providers="cpu")
+        Runner(path, providers="cpu", force=True)  # kept for inspection
+    fp32 = ModelCard.read(card_path_for(export_dir(tmp_path) / "model.onnx"))
+    assert fp32.deployable and fp32.recommended == {"cpu": "fp32", "cuda": "fp32", "tensorrt": "fp32"}
+    table = (tmp_path / "reports/export/variants.md").read_text()
+    assert "| int8 | no: defect recall" in table
