@@ -53,7 +53,10 @@ def test_every_stage_wrote_its_outputs(repro: Path):
     assert card["classes"] == ["crack", "ok", "scratch", "spot"] and card["ok_class"] == "ok"
     assert card["input"] == {"size": 64, "channels": 3, "resize": "letterbox", "layout": "NHWC", "dtype": "uint8"}
     parity = json.loads((repro / "reports/export/parity.json").read_text())
-    assert parity["max_abs_diff"] <= parity["limit"]
+    assert parity["fp32"]["deployable"] == 1 and parity["fp32"]["prob_max_abs_diff"] <= 1e-3
+    assert set(parity) == {"fp32", "fp16", "int8"}
+    for variant in ("fp16", "int8"):
+        assert (repro / f"models/export/model.{variant}.onnx").exists()
     bench = json.loads((repro / "reports/benchmark/metrics.json").read_text())
     assert bench["batch_1"]["runner"]["p50_ms"] > 0 and bench["batch_4"]["speedup_p50"] > 0
 
@@ -95,6 +98,8 @@ def test_one_mlflow_run_holds_every_stage(repro: Path):
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{repro / 'mlflow.db'}")
     run = client.get_run(run_id)
     assert "val_loss" in run.data.metrics and "test_accuracy" in run.data.metrics
-    assert "export_max_abs_diff" in run.data.metrics and "bench_batch_1_speedup" in run.data.metrics
+    assert "export_fp32_prob_max_abs_diff" in run.data.metrics and "export_int8_defect_recall" in run.data.metrics
+    assert "bench_batch_1_speedup" in run.data.metrics and "data_accepted" in run.data.metrics
+    assert run.data.tags["export.recommended.cuda"] in ("fp16", "fp32")
     assert run.data.params["model.name"] == "tf_efficientnet_lite0"
     assert run.data.tags["git.commit"]

@@ -68,3 +68,21 @@ def test_the_gate_marks_a_variant_not_deployable_and_the_runner_refuses_it(expor
     assert fp32.deployable and fp32.recommended == {"cpu": "fp32", "cuda": "fp32", "tensorrt": "fp32"}
     table = (tmp_path / "reports/export/variants.md").read_text()
     assert "| int8 | no: defect recall" in table
+
+
+@pytest.mark.parametrize("method", ["Entropy", "Percentile"])
+def test_each_calibration_method_gives_a_working_int8_model(exported_project, tmp_path, method):
+    import dataclasses
+
+    from pipeline.config import params_from_dict
+    from pipeline.variants import calibration_images, make_int8
+
+    cfg = params_from_dict(tiny_params()).export
+    cfg = dataclasses.replace(cfg, int8=dataclasses.replace(cfg.int8, calibration_method=method))
+    x_train, _, _ = load_split(exported_project / "data/prepared", "train")
+    out = tmp_path / "model.int8.onnx"
+    make_int8(export_dir(exported_project) / "model.onnx", out, calibration_images(x_train, 16, 0), cfg)
+    card = ModelCard.read(card_path_for(export_dir(exported_project) / "model.int8.onnx"))
+    card.__class__(**{**card.__dict__, "sha256": sha256_file(out)}).write(card_path_for(out))
+    probs, score = Runner(out, providers="cpu", force=True).predict(x_train[:4])
+    assert probs.shape == (4, len(card.classes)) and np.isfinite(score).all()
