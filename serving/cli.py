@@ -1,6 +1,7 @@
 """``defect-runner``: the edge runner's command line.
 
 defect-runner predict --model models/export/model.onnx images/ more/*.png --out results.jsonl
+defect-runner watch --model models/export/model.onnx /line7/inbox --out /line7
 """
 
 from __future__ import annotations
@@ -83,6 +84,34 @@ def cmd_predict(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_watch(args: argparse.Namespace) -> int:
+    import signal
+    from pathlib import Path
+
+    from serving.watch import ReviewRule, Watcher
+
+    runner = Runner(args.model, args.card, args.providers, args.allow_cpu_fallback, args.force, args.threads)
+    out = Path(args.out)
+    watcher = Watcher(
+        runner,
+        Path(args.inbox),
+        out / "results.jsonl",
+        out / "done",
+        out / "failed",
+        out / "review",
+        ReviewRule(args.review_margin, args.review_min_confidence),
+        settle=args.settle,
+        batch_size=args.batch_size,
+    )
+    for sig in (signal.SIGINT, signal.SIGTERM):  # finish the batch in hand, then stop
+        signal.signal(sig, lambda *_: (watcher.stop.set(), watcher.wake.set()))
+    counts = watcher.run(once=args.once)
+    print(
+        f"watch: {counts['done']} scored, {counts['failed']} failed, {counts['review']} sent to review", file=sys.stderr
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="defect-runner", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -95,6 +124,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--format", choices=["jsonl", "csv"])
     p.add_argument("--batch-size", type=int, default=16)
     p.set_defaults(func=cmd_predict)
+
+    w = sub.add_parser(
+        "watch",
+        help="score images as they land in a folder; move them to done/ or failed/; queue unsure ones",
+        description="Scores each file once it is completely written (size and mtime stable for --settle s), "
+        "appends the result to OUT/results.jsonl, moves the image to OUT/done or OUT/failed (never deletes), "
+        "and copies images the model is unsure about to OUT/review/<class>/ for labeling (defect ingest).",
+    )
+    _add_model_args(w)
+    w.add_argument("inbox", help="the folder to watch")
+    w.add_argument("--out", required=True, help="folder for results.jsonl, done/, failed/ and review/")
+    w.add_argument("--settle", type=float, default=1.0, help="seconds a file must stay unchanged (default 1)")
+    w.add_argument("--review-margin", type=float, default=0.1, help="queue scores this close to the threshold")
+    w.add_argument("--review-min-confidence", type=float, default=0.6, help="queue top probabilities below this")
+    w.add_argument("--batch-size", type=int, default=16)
+    w.add_argument("--once", action="store_true", help="score what is in the inbox, then exit")
+    w.set_defaults(func=cmd_watch)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
