@@ -65,42 +65,27 @@ def test_slow_writes_broken_files_and_a_burst_are_all_accounted_for(runner, imag
     assert rows["cam2/burst0.png"]["moved_to"].endswith("done/burst0.png")
 
 
-def test_unsure_images_are_queued_for_review_by_the_rule(runner, images, tmp_path):
-    inbox = tmp_path / "inbox"
-    inbox.mkdir()
-    for src in images[:6]:
+def watch_once(runner: Runner, images: list[Path], inbox: Path, out: Path, rule: ReviewRule) -> dict:
+    inbox.mkdir(exist_ok=True)
+    for src in images:
         shutil.copy(src, inbox / src.name)
+    return Watcher(
+        runner, inbox, out / "results.jsonl", out / "done", out / "failed", out / "review", rule, settle=0.0
+    ).run(once=True)
+
+
+def test_unsure_images_are_queued_for_review_by_the_rule(runner, images, tmp_path):
     out = tmp_path / "all"
-    w = Watcher(
-        runner,
-        inbox,
-        out / "results.jsonl",
-        out / "done",
-        out / "failed",
-        out / "review",
-        ReviewRule(margin=1.0, min_confidence=0.0),
-        settle=0.0,
-    )
-    assert w.run(once=True) == {"done": 6, "failed": 0, "review": 6}  # margin 1: every score qualifies
+    counts = watch_once(runner, images[:6], tmp_path / "inbox", out, ReviewRule(margin=1.0, min_confidence=0.0))
+    assert counts == {"done": 6, "failed": 0, "review": 6}  # margin 1: every score qualifies
     queue = [json.loads(line) for line in (out / "review/queue.jsonl").read_text().splitlines()]
     assert len(queue) == 6 and all("of the threshold" in q["reasons"][0] for q in queue)
     for q in queue:  # laid out as class folders, ready for `defect ingest review/`
         assert (out / "review" / q["review"]).parent.name == q["label"]
 
-    for src in images[:6]:
-        shutil.copy(src, inbox / src.name)
     none = tmp_path / "none"
-    w = Watcher(
-        runner,
-        inbox,
-        none / "results.jsonl",
-        none / "done",
-        none / "failed",
-        none / "review",
-        ReviewRule(margin=0.0, min_confidence=0.0),
-        settle=0.0,
-    )
-    assert w.run(once=True)["review"] == 0 and not (none / "review/queue.jsonl").exists()
+    counts = watch_once(runner, images[:6], tmp_path / "inbox", none, ReviewRule(margin=0.0, min_confidence=0.0))
+    assert counts["review"] == 0 and not (none / "review/queue.jsonl").exists()
 
 
 def test_the_watch_command_scores_an_inbox_once(exported_project, images, tmp_path):
