@@ -13,7 +13,6 @@ and pushed like the rest of the data, and git keeps the small ``.dvc`` and ``.js
 
 from __future__ import annotations
 
-import csv
 import json
 import logging
 import shutil
@@ -24,7 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.config import ConfigError, Params
-from pipeline.validate import check_file
+from pipeline.ingest import class_folders
+from pipeline.validate import check_file, read_manifest
 
 log = logging.getLogger(__name__)
 BATCHES_DIR = Path("batches")
@@ -34,8 +34,7 @@ def known_images(manifest: Path, batches_dir: Path) -> list[dict]:
     """Every image already in the dataset: the validated manifest plus batches not ingested yet."""
     rows: list[dict] = []
     if manifest.is_file():
-        with open(manifest, newline="") as f:
-            rows += [{k: r[k] for k in ("path", "label", "sha256", "dhash")} for r in csv.DictReader(f)]
+        rows += [{k: r[k] for k in ("path", "label", "sha256", "dhash")} for r in read_manifest(manifest)]
     for report in sorted(batches_dir.glob("*.json")):
         rows += [{**r, "path": f"{report.stem}:{r['path']}"} for r in json.loads(report.read_text())["added"]]
     return rows
@@ -46,7 +45,7 @@ def known_classes(params: Params, raw_summary: Path) -> list[str]:
         return sorted(json.loads(raw_summary.read_text())["counts"])
     if params.data.source == "synthetic":
         return sorted(params.data.synthetic.counts)
-    return sorted(p.name for p in Path(params.data.source).iterdir() if p.is_dir() and not p.name.startswith("."))
+    return [f.name for f in class_folders(Path(params.data.source))]
 
 
 def add_batch(

@@ -134,13 +134,16 @@ class CheckpointDir:
         self.d.barrier()
         return final
 
-    def load_latest(self, sharded_template: dict[str, Any] | None = None) -> tuple[dict[str, Any], Path] | None:
+    def load_latest(
+        self, sharded_template: dict[str, Any] | None = None, newest: dict[str, Any] | None = None
+    ) -> tuple[dict[str, Any], Path] | None:
         """The newest checkpoint that loads on every rank: (state, folder), or None if there is none.
 
-        With FSDP, ``sharded_template`` (the live sharded state dicts) is filled in place.
+        With FSDP, ``sharded_template`` (the live sharded state dicts) is filled in place. ``newest``:
+        the newest folder's ``state.pt`` when the caller has read it already (it is not read twice).
         """
-        for path in self.d.broadcast_object(self.steps()):
-            state = load(path / "state.pt")
+        for i, path in enumerate(self.d.broadcast_object(self.steps())):
+            state = newest if i == 0 and newest is not None else load(path / "state.pt")
             ok = state is not None
             if ok and sharded_template is not None:
                 try:

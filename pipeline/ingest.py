@@ -35,6 +35,16 @@ def class_folders(source: Path) -> list[Path]:
     return folders
 
 
+def copy_files(folder: Path, dest: Path) -> int:
+    """Copy every (non-hidden) file under ``folder`` to ``dest``, keeping subfolders; return the count."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith("."))
+    for f in files:
+        target = dest / f.relative_to(folder)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(f, target)
+    return len(files)
+
+
 def ingest_folder(source: Path, ok_class: str, images_dir: Path, masks_dir: Path) -> dict[str, int]:
     """Copy every file under each class folder into ``images_dir/<class>/``.
 
@@ -46,14 +56,7 @@ def ingest_folder(source: Path, ok_class: str, images_dir: Path, masks_dir: Path
     names = [f.name for f in folders]
     if ok_class not in names:
         raise ConfigError(f"data.ok_class: {ok_class!r} is not a class folder of {source} (found: {', '.join(names)})")
-    counts: dict[str, int] = {}
-    for folder in folders:
-        files = sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith("."))
-        for f in files:
-            dest = images_dir / folder.name / f.relative_to(folder)
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(f, dest)
-        counts[folder.name] = len(files)
+    counts = {folder.name: copy_files(folder, images_dir / folder.name) for folder in folders}
     mask_source = source.with_name(source.name + "_masks")
     if mask_source.is_dir():
         for folder in folders:
@@ -71,13 +74,9 @@ def ingest_batches(batches_dir: Path, images_dir: Path, counts: dict[str, int]) 
     for batch in sorted(p for p in batches_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
         n = 0
         for folder in sorted(p for p in batch.iterdir() if p.is_dir()):
-            files = sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith("."))
-            for f in files:
-                dest = images_dir / folder.name / f"batch-{batch.name}" / f.relative_to(folder)
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(f, dest)
-            counts[folder.name] = counts.get(folder.name, 0) + len(files)
-            n += len(files)
+            copied = copy_files(folder, images_dir / folder.name / f"batch-{batch.name}")
+            counts[folder.name] = counts.get(folder.name, 0) + copied
+            n += copied
         added[batch.name] = n
     return added
 

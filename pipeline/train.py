@@ -426,14 +426,14 @@ def resume(
         return None
     if d.mode == "fsdp":
         template = sharded_state(model, optimizer, ema)
-        found = store.load_latest(template)
+        found = store.load_latest(template, newest)
         if found is not None:
             from torch.distributed.checkpoint.state_dict import set_state_dict
 
             set_state_dict(model, optimizer, model_state_dict=template["model"], optim_state_dict=template["optimizer"])
             ema.updates = found[0]["ema_updates"]
     else:
-        found = store.load_latest()
+        found = store.load_latest(newest=newest)
         if found is not None:
             saved = found[0]
             unwrap(model).load_state_dict(saved["model"])

@@ -27,6 +27,7 @@ import onnx
 
 from pipeline.bench import batches, interleaved
 from pipeline.config import ExportConfig
+from pipeline.evaluate import binary_metrics, classification_metrics
 from serving.card import ModelCard, card_path_for, sha256_file
 from serving.runner import Runner
 
@@ -95,17 +96,14 @@ def calibration_images(images: np.ndarray, count: int, seed: int) -> np.ndarray:
 
 
 def scores(probs: np.ndarray, labels: np.ndarray, classes: list[str], ok_index: int, threshold: float) -> dict:
-    """Accuracy, per-class recall, and defect recall / false-alarm rate at the threshold."""
-    flagged = (1.0 - probs[:, ok_index]) >= threshold
-    is_defect = labels != ok_index
+    """Accuracy, per-class recall, and defect recall / false-alarm rate at the threshold (as evaluate does)."""
+    cls, _ = classification_metrics(probs, labels, classes)
+    binary = binary_metrics(1.0 - probs[:, ok_index], labels != ok_index, threshold)
     return {
-        "accuracy": float((probs.argmax(1) == labels).mean()),
-        "per_class_recall": {
-            c: float((probs.argmax(1)[labels == i] == i).mean()) if (labels == i).any() else None
-            for i, c in enumerate(classes)
-        },
-        "defect_recall": float(flagged[is_defect].mean()) if is_defect.any() else 1.0,
-        "false_alarm_rate": float(flagged[~is_defect].mean()) if (~is_defect).any() else 0.0,
+        "accuracy": cls["accuracy"],
+        "per_class_recall": {c: m["recall"] for c, m in cls["per_class"].items()},
+        "defect_recall": binary["defect_recall"],
+        "false_alarm_rate": binary["false_alarm_rate"],
     }
 
 

@@ -1,6 +1,7 @@
 """Stage export: fp32, fp16 and int8 ONNX (uint8 in, probabilities + defect score out), each scored on
 the test set against PyTorch, gated, and described by its model card."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -65,7 +66,7 @@ def main(params):
         x_train, _, _ = load_split(prepared, "train")
         make_int8(fp32, paths["int8"], calibration_images(x_train, cfg.int8.calibration_images, 0), cfg)
     for v, path in paths.items():  # provisional cards, so the runner (which checks the sha256) loads them
-        ModelCard(**{**card.__dict__, "variant": v, "sha256": sha256_file(path)}).write(card_path_for(path))
+        dataclasses.replace(card, variant=v, sha256=sha256_file(path)).write(card_path_for(path))
 
     # Every variant, through the edge runner itself, against PyTorch on all test images.
     x_test, y_test, test_paths = load_split(prepared, "test")

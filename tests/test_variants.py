@@ -83,6 +83,6 @@ def test_each_calibration_method_gives_a_working_int8_model(exported_project, tm
     out = tmp_path / "model.int8.onnx"
     make_int8(export_dir(exported_project) / "model.onnx", out, calibration_images(x_train, 16, 0), cfg)
     card = ModelCard.read(card_path_for(export_dir(exported_project) / "model.int8.onnx"))
-    card.__class__(**{**card.__dict__, "sha256": sha256_file(out)}).write(card_path_for(out))
+    dataclasses.replace(card, sha256=sha256_file(out)).write(card_path_for(out))
     probs, score = Runner(out, providers="cpu", force=True).predict(x_train[:4])
     assert probs.shape == (4, len(card.classes)) and np.isfinite(score).all()
