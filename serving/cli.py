@@ -2,6 +2,7 @@
 
 defect-runner predict --model models/export/model.onnx images/ more/*.png --out results.jsonl
 defect-runner watch --model models/export/model.onnx /line7/inbox --out /line7
+defect-runner serve --model models:/defect-classifier@champion --tracking-uri http://mlflow:5000
 """
 
 from __future__ import annotations
@@ -11,14 +12,21 @@ import csv
 import dataclasses
 import json
 import logging
+import os
 import sys
 
 from serving.card import CardError
-from serving.runner import Runner, RunnerError, expand_inputs
+from serving.registry import RegistryError
+from serving.runner import Runner, RunnerError, expand_inputs, open_runner
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="path to the exported .onnx file")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="the exported .onnx file, or a registry URI models:/NAME@ALIAS or models:/NAME/VERSION",
+    )
+    p.add_argument("--tracking-uri", help="MLflow tracking URI for models:/ (default: $MLFLOW_TRACKING_URI)")
     p.add_argument("--card", help="model card JSON (default: <model>.card.json beside the model)")
     p.add_argument(
         "--providers",
@@ -32,10 +40,26 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--force", action="store_true", help="load a model whose card marks it not deployable")
     p.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0: all cores)")
+    p.add_argument("--trt-cache", help="TensorRT engine and timing cache folder (restarts skip the engine build)")
+    p.add_argument("--trt-fp16", action="store_true", help="let TensorRT run layers in fp16")
+
+
+def _runner(args: argparse.Namespace) -> Runner:
+    return open_runner(
+        args.model,
+        args.card,
+        args.tracking_uri,
+        providers=args.providers,
+        allow_cpu_fallback=args.allow_cpu_fallback,
+        force=args.force,
+        threads=args.threads,
+        trt_cache=args.trt_cache,
+        trt_fp16=args.trt_fp16,
+    )
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
-    runner = Runner(args.model, args.card, args.providers, args.allow_cpu_fallback, args.force, args.threads)
+    runner = _runner(args)
     files = expand_inputs(args.inputs)
     out = open(args.out, "w", newline="") if args.out else sys.stdout  # noqa: SIM115 (closed below)
     fmt = args.format or ("csv" if args.out and args.out.endswith(".csv") else "jsonl")
@@ -88,9 +112,10 @@ def cmd_watch(args: argparse.Namespace) -> int:
     import signal
     from pathlib import Path
 
-    from serving.watch import ReviewRule, Watcher
+    from serving.review import ReviewRule
+    from serving.watch import Watcher
 
-    runner = Runner(args.model, args.card, args.providers, args.allow_cpu_fallback, args.force, args.threads)
+    runner = _runner(args)
     out = Path(args.out)
     watcher = Watcher(
         runner,
@@ -109,6 +134,43 @@ def cmd_watch(args: argparse.Namespace) -> int:
     print(
         f"watch: {counts['done']} scored, {counts['failed']} failed, {counts['review']} sent to review", file=sys.stderr
     )
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from serving.review import ReviewRule
+    from serving.server import ServerConfig, serve
+
+    token = os.environ.get("DEFECT_RUNNER_TOKEN") or None
+    if args.token_file:
+        try:
+            with open(args.token_file) as f:
+                token = f.read().strip()
+        except OSError as exc:
+            raise RunnerError(f"--token-file {args.token_file}: {exc.strerror}") from None
+        if not token:
+            raise RunnerError(f"--token-file {args.token_file} is empty")
+    cfg = ServerConfig(
+        model=args.model,
+        card=args.card,
+        tracking_uri=args.tracking_uri,
+        providers=args.providers,
+        allow_cpu_fallback=args.allow_cpu_fallback,
+        force=args.force,
+        threads=args.threads,
+        trt_cache=args.trt_cache,
+        trt_fp16=args.trt_fp16,
+        host=args.host,
+        port=args.port,
+        max_batch_size=args.max_batch_size,
+        max_queue_delay_ms=args.max_queue_delay_ms,
+        max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+        token=token,
+        review_dir=args.review_dir,
+        review_rule=ReviewRule(args.review_margin, args.review_min_confidence),
+        graceful_timeout_s=args.graceful_timeout,
+    )
+    serve(cfg)
     return 0
 
 
@@ -141,11 +203,36 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--batch-size", type=int, default=16)
     w.add_argument("--once", action="store_true", help="score what is in the inbox, then exit")
     w.set_defaults(func=cmd_watch)
+
+    s = sub.add_parser(
+        "serve",
+        help="HTTP server: KServe v2 inference, an image endpoint, Prometheus /metrics",
+        description="Loads and warms up the model, then serves the KServe v2 / Open Inference Protocol "
+        "(/v2/health/live, /v2/health/ready, /v2/models/NAME, /v2/models/NAME/infer), "
+        "POST /v2/models/NAME/classify (an encoded image, raw or multipart -> the decision) and /metrics. "
+        "Concurrent requests are batched. SIGHUP or POST /v2/repository/models/NAME/load reloads the model "
+        "(same source: a replaced file, or where the registry alias points now) without dropping requests; "
+        "SIGTERM finishes the requests in flight and exits. Bearer token: $DEFECT_RUNNER_TOKEN or --token-file.",
+    )
+    _add_model_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this box only)")
+    s.add_argument("--port", type=int, default=8080)
+    s.add_argument("--max-batch-size", type=int, default=16, help="most images per model call (default 16)")
+    s.add_argument(
+        "--max-queue-delay-ms", type=float, default=5.0, help="how long a request may wait for others (default 5)"
+    )
+    s.add_argument("--max-body-mb", type=float, default=16.0, help="largest request body accepted (default 16)")
+    s.add_argument("--token-file", help="file holding the bearer token (else $DEFECT_RUNNER_TOKEN; none: open)")
+    s.add_argument("--review-dir", help="copy unsure images sent to /classify here, as review/<class>/")
+    s.add_argument("--review-margin", type=float, default=0.1, help="queue scores this close to the threshold")
+    s.add_argument("--review-min-confidence", type=float, default=0.6, help="queue top probabilities below this")
+    s.add_argument("--graceful-timeout", type=float, default=30.0, help="seconds to finish requests at SIGTERM")
+    s.set_defaults(func=cmd_serve)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except (RunnerError, CardError) as exc:
+    except (RunnerError, CardError, RegistryError) as exc:
         print(f"defect-runner: error: {exc}", file=sys.stderr)
         return 2
 

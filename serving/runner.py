@@ -24,6 +24,31 @@ PROVIDER_NAMES = {
 }
 
 
+def provider_options(providers: list[str], trt_cache: str | None = None, trt_fp16: bool = False) -> list:
+    """onnxruntime's ``providers`` argument: names, with options for TensorRT.
+
+    TensorRT builds an engine for the model on first use (tens of seconds to minutes); with a cache
+    folder the engine and the timing cache are written there and a restart loads them in seconds.
+    ``trt_fp16`` lets TensorRT run layers in fp16 (use it with the fp32 model; the fp16 model already is).
+    """
+    out: list = []
+    for name in providers:
+        if name == PROVIDER_NAMES["tensorrt"]:
+            opts: dict[str, str] = {"trt_fp16_enable": "1" if trt_fp16 else "0"}
+            if trt_cache:
+                Path(trt_cache).mkdir(parents=True, exist_ok=True)
+                opts |= {
+                    "trt_engine_cache_enable": "1",
+                    "trt_engine_cache_path": str(trt_cache),
+                    "trt_timing_cache_enable": "1",
+                    "trt_timing_cache_path": str(trt_cache),
+                }
+            out.append((name, opts))
+        else:
+            out.append(name)
+    return out
+
+
 class RunnerError(RuntimeError):
     """The runner refuses to start; the message says why and what to do."""
 
@@ -77,6 +102,10 @@ class Runner:
         threads: int = 0,
         warmup: int = 2,
         spin: bool = True,
+        trt_cache: str | None = None,
+        trt_fp16: bool = False,
+        warmup_batch_sizes: tuple[int, ...] = (1,),
+        version: str = "",
     ) -> None:
         self.model_path = Path(model_path)
         if not self.model_path.is_file():
@@ -103,7 +132,9 @@ class Runner:
             # box); turn it off when other work shares the cores, e.g. side-by-side benchmarks.
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         options.log_severity_level = 3  # errors only: provider fallbacks are reported by us, below
-        self.session = ort.InferenceSession(str(self.model_path), options, providers=wanted)
+        self.session = ort.InferenceSession(
+            str(self.model_path), options, providers=provider_options(wanted, trt_cache, trt_fp16)
+        )
         self.providers = self.session.get_providers()
         log.info("model %s (%s), providers in use: %s", self.card.name, self.card.variant, self.providers)
         asked_gpu = any(p != "CPUExecutionProvider" for p in wanted)
@@ -117,8 +148,13 @@ class Runner:
         self.input_name = self.session.get_inputs()[0].name
         spec = self.card.input
         self.input_shape = (spec.size, spec.size, spec.channels)
-        for _ in range(warmup):  # the first runs allocate and tune; pay for them before "ready"
-            self.predict(np.zeros((1, *self.input_shape), dtype=np.uint8))
+        # The first runs allocate, tune and (TensorRT) build engines: pay for them before "ready", at each
+        # batch size the caller expects (the server's maximum batch, say).
+        for n in warmup_batch_sizes:
+            for _ in range(warmup):
+                self.predict(np.zeros((n, *self.input_shape), dtype=np.uint8))
+        # The registry version, or the start of the model's sha256 for a plain file.
+        self.version = version or self.card.sha256[:12]
         self.ready = True
 
     def predict(self, batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -172,6 +208,14 @@ class Runner:
             yield from flush()
 
 
+def open_runner(source: str, card: str | None = None, tracking_uri: str | None = None, **options) -> Runner:
+    """A Runner for a model file or a ``models:/NAME@ALIAS`` registry URI (see serving.registry)."""
+    from serving.registry import resolve
+
+    src = resolve(source, card, tracking_uri)
+    return Runner(src.model_path, src.card_path, version=src.version, **options)
+
+
 def expand_inputs(inputs: Iterable[str]) -> list[Path]:
     """Files, folders (recursively) and globs -> a sorted list of files."""
     import glob
@@ -191,4 +235,4 @@ def expand_inputs(inputs: Iterable[str]) -> list[Path]:
     return files
 
 
-__all__ = ["CardError", "Prediction", "Runner", "RunnerError", "expand_inputs", "resolve_providers"]
+__all__ = ["CardError", "Prediction", "Runner", "RunnerError", "expand_inputs", "open_runner", "resolve_providers"]

@@ -21,40 +21,12 @@ import logging
 import shutil
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-from serving.runner import Prediction, Runner
+from serving.review import ReviewQueue, ReviewRule, unique_target
+from serving.runner import Runner
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ReviewRule:
-    """When an image goes to the review queue (both may apply; 0 switches a rule off)."""
-
-    margin: float = 0.1  # |defect score - threshold| at most this
-    min_confidence: float = 0.6  # the top class probability below this
-
-    def reasons(self, p: Prediction, threshold: float) -> list[str]:
-        out = []
-        if p.defect_score is None or p.probs is None:
-            return out
-        if self.margin and abs(p.defect_score - threshold) <= self.margin:
-            out.append(f"score {p.defect_score:.3f} within {self.margin} of the threshold {threshold:.3f}")
-        if self.min_confidence and max(p.probs.values()) < self.min_confidence:
-            out.append(f"top class probability {max(p.probs.values()):.3f} < {self.min_confidence}")
-        return out
-
-
-def unique_target(folder: Path, name: str) -> Path:
-    """``folder/name``, or ``folder/stem.1.ext`` ... when a file of that name is already there."""
-    target = folder / name
-    n = 1
-    while target.exists():
-        target = folder / f"{Path(name).stem}.{n}{Path(name).suffix}"
-        n += 1
-    return target
 
 
 class Watcher:
@@ -77,7 +49,8 @@ class Watcher:
         self.wake = threading.Event()
         self.stop = threading.Event()
         self.counts = {"done": 0, "failed": 0, "review": 0}
-        for d in (inbox, done, failed, review):
+        self.queue = ReviewQueue(review)
+        for d in (inbox, done, failed):
             d.mkdir(parents=True, exist_ok=True)
         results.parent.mkdir(parents=True, exist_ok=True)
 
@@ -104,7 +77,7 @@ class Watcher:
             for p in self.runner.predict_files(files, self.batch_size):
                 path = Path(p.path)
                 rel = path.relative_to(self.inbox)
-                reasons = self.rule.reasons(p, self.runner.card.threshold)
+                reasons = self.rule.reasons(p.defect_score, p.probs, self.runner.card.threshold)
                 row = dataclasses.asdict(p) | {"file": rel.as_posix()}
                 if p.error:
                     target = unique_target(self.failed, rel.name)
@@ -113,16 +86,7 @@ class Watcher:
                     target = unique_target(self.done, rel.name)
                     self.counts["done"] += 1
                     if reasons:
-                        queued = unique_target(self.review / (p.label or "unknown"), rel.name)
-                        queued.parent.mkdir(parents=True, exist_ok=True)
-                        shutil.copy2(path, queued)
-                        with open(self.review / "queue.jsonl", "a") as q:
-                            q.write(
-                                json.dumps(
-                                    row | {"review": queued.relative_to(self.review).as_posix(), "reasons": reasons}
-                                )
-                                + "\n"
-                            )
+                        self.queue.add(path, rel.name, p.label, row, reasons)
                         self.counts["review"] += 1
                         row["review_reasons"] = reasons
                 row["moved_to"] = str(target)

@@ -1,0 +1,80 @@
+"""Where the runner's model comes from: a file path, or the MLflow model registry.
+
+``models:/NAME@champion`` (an alias) or ``models:/NAME/3`` (a version) is resolved with the MLflow
+client against ``--tracking-uri`` (or ``MLFLOW_TRACKING_URI``), and the version's files (the ONNX
+model and its card) are downloaded into a cache folder named by name and version, so a restart or a
+reload of the same version downloads nothing. MLflow is imported only here and only for ``models:/``
+sources: a runner fed with model files needs no MLflow at all (install ``mlflow-skinny`` for the
+registry; the Docker image has it).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class RegistryError(RuntimeError):
+    """The model source cannot be resolved; the message says why."""
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    model_path: Path
+    card_path: Path | None  # None: the card beside the model
+    version: str  # registry version ("3") or "" for a plain file
+    source: str  # what the user asked for
+
+
+_MODELS_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/]+)|/(?P<version>\d+))$")
+
+
+def is_registry_uri(source: str) -> bool:
+    return str(source).startswith("models:/")
+
+
+def resolve(source: str, card: str | None = None, tracking_uri: str | None = None, cache: Path | None = None):
+    """A model source -> local files. Plain paths pass through; ``models:/`` URIs are downloaded."""
+    if not is_registry_uri(source):
+        return ResolvedModel(Path(source), Path(card) if card else None, "", source)
+    m = _MODELS_URI.match(source)
+    if not m:
+        raise RegistryError(f"{source}: expected models:/NAME@ALIAS or models:/NAME/VERSION")
+    try:
+        from mlflow import MlflowClient
+        from mlflow.artifacts import download_artifacts
+        from mlflow.exceptions import MlflowException
+    except ImportError:
+        raise RegistryError(
+            f"{source}: loading from the MLflow registry needs the mlflow client "
+            "(pip install mlflow-skinny==3.17.2), or pass a model file instead"
+        ) from None
+    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        raise RegistryError(f"{source}: no tracking URI: pass --tracking-uri or set MLFLOW_TRACKING_URI")
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    name = m["name"]
+    try:
+        mv = (
+            client.get_model_version_by_alias(name, m["alias"])
+            if m["alias"]
+            else client.get_model_version(name, m["version"])
+        )
+        dest = cache or Path(os.environ.get("DEFECT_RUNNER_CACHE", Path.home() / ".cache" / "defect-runner"))
+        dest = dest / name / str(mv.version)
+        if not dest.is_dir():  # download beside, then rename: a killed download never looks complete
+            partial = dest.with_name(f"{dest.name}.partial-{os.getpid()}")
+            partial.mkdir(parents=True, exist_ok=True)
+            download_artifacts(artifact_uri=mv.source, dst_path=str(partial), tracking_uri=uri)
+            partial.rename(dest)
+    except MlflowException as exc:
+        raise RegistryError(f"{source} at {uri}: {exc.message}") from None
+    models = sorted(dest.rglob("*.onnx"))
+    if len(models) != 1:
+        raise RegistryError(
+            f"{source} (version {mv.version}) must hold exactly one .onnx file with its card, found "
+            f"{[p.name for p in models]} in {mv.source}"
+        )
+    return ResolvedModel(models[0], Path(card) if card else None, str(mv.version), source)

@@ -1,0 +1,492 @@
+"""``defect-runner serve``: the runner over HTTP, KServe v2 / Open Inference Protocol plus an image endpoint.
+
+Lifecycle (as in KServe's model server): load -> verify the card -> warm up -> bind the port -> ready.
+
+  GET  /v2/health/live                       200 while the process runs
+  GET  /v2/health/ready                      200 once the model is loaded and warmed up
+  GET  /v2                                   server metadata (name, version, extensions)
+  GET  /v2/models/{name}[/versions/{v}]      model metadata: input/output tensors, classes, threshold
+  GET  /v2/models/{name}[/versions/{v}]/ready
+  POST /v2/models/{name}[/versions/{v}]/infer     v2 tensors in (JSON or binary extension), probs out
+  POST /v2/models/{name}/classify            an encoded image (raw body or multipart) -> the decision
+  POST /v2/repository/models/{name}/load     hot reload: load the model source again (also: SIGHUP)
+  GET  /metrics                              Prometheus
+
+Concurrent requests are batched (serving.batcher). Every malformed request gets a 4xx with a JSON
+``{"error": ...}`` naming what was wrong; the server keeps serving. With a token (``DEFECT_RUNNER_TOKEN``
+or ``--token-file``) every endpoint except health and metrics needs ``Authorization: Bearer <token>``.
+SIGTERM stops accepting connections, finishes the requests in flight, then exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import re
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.formparsers import MultiPartException, MultiPartParser
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from serving import __version__
+from serving.batcher import Batcher
+from serving.metrics import Metrics
+from serving.preprocess import DEFAULT_MAX_PIXELS, ImageDecodeError, load_image
+from serving.protocol import (
+    ProtocolError,
+    TensorSpec,
+    decompress,
+    infer_response,
+    parse_infer_request,
+    split_body,
+)
+from serving.review import ReviewQueue, ReviewRule
+from serving.runner import Runner, RunnerError, open_runner
+
+log = logging.getLogger(__name__)
+
+OUTPUTS = ["probs", "defect_score"]
+OPEN_PATHS = ("/v2/health/live", "/v2/health/ready", "/metrics")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model: str  # a .onnx path or models:/NAME@ALIAS
+    card: str | None = None
+    tracking_uri: str | None = None
+    providers: str = "auto"
+    allow_cpu_fallback: bool = False
+    force: bool = False
+    threads: int = 0
+    trt_cache: str | None = None
+    trt_fp16: bool = False
+    host: str = "127.0.0.1"
+    port: int = 8080
+    max_batch_size: int = 16
+    max_queue_delay_ms: float = 5.0
+    max_body_bytes: int = 16 * 1024 * 1024
+    max_image_pixels: int = DEFAULT_MAX_PIXELS
+    token: str | None = None
+    review_dir: str | None = None
+    review_rule: ReviewRule = field(default_factory=ReviewRule)
+    graceful_timeout_s: float = 30.0
+
+
+class ModelHolder:
+    """The model being served, swapped atomically on reload; in-flight batches finish on the old one."""
+
+    def __init__(self, cfg: ServerConfig) -> None:
+        self.cfg = cfg
+        self.runner = self._load()
+        self.name = self.runner.card.name
+        self.reload_lock = asyncio.Lock()
+
+    def _load(self) -> Runner:
+        cfg = self.cfg
+        return open_runner(
+            cfg.model,
+            cfg.card,
+            cfg.tracking_uri,
+            providers=cfg.providers,
+            allow_cpu_fallback=cfg.allow_cpu_fallback,
+            force=cfg.force,
+            threads=cfg.threads,
+            trt_cache=cfg.trt_cache,
+            trt_fp16=cfg.trt_fp16,
+            warmup_batch_sizes=tuple(sorted({1, cfg.max_batch_size})),
+        )
+
+    def infer(self, batch: np.ndarray) -> tuple[dict[str, np.ndarray], Runner]:
+        runner = self.runner  # one reference for the whole call: a reload cannot change it midway
+        probs, score = runner.predict(batch)
+        return {"probs": probs, "defect_score": score}, runner
+
+    async def reload(self) -> tuple[str, str]:
+        """Load the model source again (a new file, or wherever the registry alias points now)."""
+        async with self.reload_lock:
+            new = await run_in_threadpool(self._load)
+            if new.card.name != self.name:
+                raise RunnerError(f"the new model is named {new.card.name!r}, this server serves {self.name!r}")
+            old, self.runner = self.runner, new
+            return old.version, new.version
+
+
+def input_spec(runner: Runner) -> TensorSpec:
+    return TensorSpec(runner.input_name, "UINT8", (-1, *runner.input_shape))
+
+
+def model_metadata(runner: Runner) -> dict[str, Any]:
+    card = runner.card
+    k = len(card.classes)
+    return {
+        "name": card.name,
+        "versions": [runner.version],
+        "platform": "onnxruntime_onnx",
+        "inputs": [input_spec(runner).metadata()],
+        "outputs": [
+            {"name": "probs", "datatype": "FP32", "shape": [-1, k]},
+            {"name": "defect_score", "datatype": "FP32", "shape": [-1]},
+        ],
+        "parameters": {
+            "classes": card.classes,
+            "ok_class": card.ok_class,
+            "threshold": card.threshold,
+            "variant": card.variant,
+            "architecture": card.architecture,
+            "resize": card.input.resize,
+            "providers": runner.providers,
+        },
+    }
+
+
+def error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+IMAGE_MAGIC = [
+    (b"\x89PNG", ".png"),
+    (b"\xff\xd8", ".jpg"),
+    (b"BM", ".bmp"),
+    (b"II*\x00", ".tif"),
+    (b"MM\x00*", ".tif"),
+    (b"GIF8", ".gif"),
+]
+
+
+def image_suffix(data: bytes) -> str:
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return ".webp"
+    return next((ext for magic, ext in IMAGE_MAGIC if data.startswith(magic)), ".img")
+
+
+# Endpoint label for metrics: the route, never the raw path (a scan of random URLs must not create
+# thousands of time series).
+ENDPOINTS = [
+    (re.compile(r"^/v2/health/(live|ready)$"), "health"),
+    (re.compile(r"^/v2/models/[^/]+(/versions/[^/]+)?/infer$"), "infer"),
+    (re.compile(r"^/v2/models/[^/]+/classify$"), "classify"),
+    (re.compile(r"^/v2/repository/models/[^/]+/load$"), "reload"),
+    (re.compile(r"^/v2(/models/[^/]+(/versions/[^/]+)?(/ready)?)?$"), "metadata"),
+    (re.compile(r"^/metrics$"), "metrics"),
+]
+
+
+def endpoint_of(path: str) -> str:
+    return next((name for rx, name in ENDPOINTS if rx.match(path)), "other")
+
+
+class Guard:
+    """Pure ASGI middleware: bearer token check, request metrics, in-flight gauge."""
+
+    def __init__(self, app, metrics: Metrics, token: str | None) -> None:
+        self.app, self.metrics, self.token = app, metrics, token
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path, started, status = scope["path"], time.perf_counter(), [500]
+
+        async def send_and_record(message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        self.metrics.in_flight.inc()
+        try:
+            if self.token and path not in OPEN_PATHS and not self._authorized(scope):
+                response = error(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>'")
+                response.headers["WWW-Authenticate"] = "Bearer"
+                await response(scope, receive, send_and_record)
+            else:
+                await self.app(scope, receive, send_and_record)
+        finally:
+            self.metrics.in_flight.dec()
+            endpoint = endpoint_of(path)
+            self.metrics.requests.labels(endpoint, str(status[0])).inc()
+            if endpoint in ("infer", "classify"):
+                self.metrics.phase.labels("total").observe(time.perf_counter() - started)
+
+    def _authorized(self, scope) -> bool:
+        headers = dict(scope["headers"])
+        value = headers.get(b"authorization", b"").decode("latin-1")
+        scheme, _, given = value.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self.token.encode())
+
+
+def create_app(holder: ModelHolder, cfg: ServerConfig, metrics: Metrics | None = None):
+    metrics = metrics or Metrics()
+    batcher = Batcher(
+        holder.infer,
+        cfg.max_batch_size,
+        cfg.max_queue_delay_ms / 1000,
+        on_batch=lambda n, s: metrics.batch_size.observe(n),
+    )
+    queue = ReviewQueue(Path(cfg.review_dir)) if cfg.review_dir else None
+
+    def publish_model() -> None:
+        r = holder.runner
+        metrics.set_model(r.card.name, r.version, r.card.variant, r.providers[0])
+
+    publish_model()
+    if queue:
+        metrics.review_queue_size.set(queue.count())
+
+    def runner_for(request: Request) -> Runner:
+        runner = holder.runner
+        name, version = request.path_params["name"], request.path_params.get("version")
+        if name != holder.name:
+            raise ProtocolError(f"unknown model {name!r}: this server serves {holder.name!r}", 404)
+        if version is not None and version != runner.version:
+            raise ProtocolError(f"model {name!r} has no version {version!r} (serving {runner.version!r})", 404)
+        return runner
+
+    async def read_body(request: Request) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                raise ProtocolError(f"header Content-Length must be a number, got {declared!r}")
+            if int(declared) > cfg.max_body_bytes:
+                raise ProtocolError(f"body of {declared} bytes exceeds the limit of {cfg.max_body_bytes} bytes", 413)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > cfg.max_body_bytes:  # chunked uploads have no Content-Length: count as they come
+                raise ProtocolError(f"body exceeds the limit of {cfg.max_body_bytes} bytes", 413)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    # --- health and metadata ---------------------------------------------------------------------
+    async def live(request: Request) -> Response:
+        return JSONResponse({"live": True})
+
+    async def ready(request: Request) -> Response:
+        ok = holder.runner.ready
+        return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
+
+    async def server_metadata(request: Request) -> Response:
+        return JSONResponse(
+            {"name": "defect-runner", "version": __version__, "extensions": ["binary_tensor_data", "model_repository"]}
+        )
+
+    async def model_meta(request: Request) -> Response:
+        return JSONResponse(model_metadata(runner_for(request)))
+
+    async def model_ready(request: Request) -> Response:
+        runner = runner_for(request)
+        return JSONResponse({"name": holder.name, "ready": runner.ready}, status_code=200 if runner.ready else 503)
+
+    async def prometheus(request: Request) -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # --- inference ---------------------------------------------------------------------------------
+    async def run_batch(x: np.ndarray):
+        try:
+            res = await batcher.submit(x)
+        except ValueError as exc:  # a reload changed the input shape while the request waited
+            raise ProtocolError(f"the model changed while the request waited ({exc}); send it again", 409) from None
+        metrics.phase.labels("queue").observe(res.queue_s)
+        metrics.phase.labels("inference").observe(res.infer_s)
+        return res
+
+    async def infer(request: Request) -> Response:
+        runner = runner_for(request)
+        body = await read_body(request)
+        body = decompress(body, request.headers.get("content-encoding"), cfg.max_body_bytes)
+        header, tail = split_body(body, request.headers.get("inference-header-content-length"))
+        req = parse_infer_request(header, tail, input_spec(runner), OUTPUTS, cfg.max_batch_size)
+        res = await run_batch(req.tensor)
+        threshold = res.tag.card.threshold
+        scores = res.outputs["defect_score"]
+        metrics.images.labels("defect").inc(int((scores >= threshold).sum()))
+        metrics.images.labels("ok").inc(int((scores < threshold).sum()))
+        content, header_len = infer_response(holder.name, res.tag.version, req, res.outputs)
+        if header_len is None:
+            return Response(content, media_type="application/json")
+        return Response(
+            content,
+            media_type="application/octet-stream",
+            headers={"Inference-Header-Content-Length": str(header_len)},
+        )
+
+    async def image_from(request: Request) -> tuple[bytes, str]:
+        body = await read_body(request)
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype == "multipart/form-data":
+
+            async def once() -> AsyncIterator[bytes]:
+                yield body
+
+            try:
+                form = await MultiPartParser(request.headers, once(), max_files=1, max_fields=10).parse()
+            except MultiPartException as exc:
+                raise ProtocolError(f"malformed multipart body: {exc.message}") from None
+            uploads = [v for _, v in form.multi_items() if hasattr(v, "read")]
+            if not uploads:
+                raise ProtocolError("multipart body has no file part: send the image as a file field (e.g. 'image')")
+            data = await uploads[0].read()
+            return data, uploads[0].filename or ""
+        if ctype and not (ctype.startswith("image/") or ctype == "application/octet-stream"):
+            raise ProtocolError(
+                f"Content-Type {ctype!r} is not an image: send image/* or application/octet-stream bytes, "
+                "or multipart/form-data with a file field",
+                415,
+            )
+        return body, request.query_params.get("filename", "")
+
+    async def classify(request: Request) -> Response:
+        runner = runner_for(request)
+        data, filename = await image_from(request)
+        if not data:
+            raise ProtocolError("empty image: the request carried no image bytes")
+        spec = runner.card.input
+        t0 = time.perf_counter()
+        try:
+            img = await run_in_threadpool(load_image, data, spec.size, spec.channels, spec.resize, cfg.max_image_pixels)
+        except ImageDecodeError as exc:
+            status = 413 if "exceeds the limit" in str(exc) else 400
+            raise ProtocolError(str(exc).replace("<bytes>", "image"), status) from None
+        decode_s = time.perf_counter() - t0
+        metrics.phase.labels("decode").observe(decode_s)
+        res = await run_batch(img[None])
+        used: Runner = res.tag
+        p, score = res.outputs["probs"][0], float(res.outputs["defect_score"][0])
+        label, decision = used.decide(p, score)
+        probs = dict(zip(used.card.classes, map(float, p), strict=True))
+        metrics.images.labels(decision).inc()
+        reasons = cfg.review_rule.reasons(score, probs, used.card.threshold)
+        result = {
+            "model_name": holder.name,
+            "model_version": used.version,
+            "class": label,
+            "probabilities": probs,
+            "defect_score": score,
+            "threshold": used.card.threshold,
+            "decision": decision,
+            "review_reasons": reasons,
+            "timing_ms": {
+                "decode": round(decode_s * 1000, 3),
+                "queue": round(res.queue_s * 1000, 3),
+                "inference": round(res.infer_s * 1000, 3),
+                "batch_size": res.batch_size,
+            },
+        }
+        if queue and reasons:
+            stem = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:8]
+            name = stem + image_suffix(data)
+            row = {k: result[k] for k in ("class", "probabilities", "defect_score", "decision", "model_version")}
+            row["filename"] = filename
+            await run_in_threadpool(queue.add, data, name, label, row, reasons)
+            metrics.review_queued.inc()
+            metrics.review_queue_size.inc()
+        return JSONResponse(result)
+
+    async def reload(request: Request) -> Response:
+        name = request.path_params["name"]
+        if name != holder.name:
+            raise ProtocolError(f"unknown model {name!r}: this server serves {holder.name!r}", 404)
+        await read_body(request)  # accepted and ignored: the model source is the one the server started with
+        return await do_reload()
+
+    async def do_reload() -> Response:
+        try:
+            old, new = await holder.reload()
+        except Exception as exc:  # noqa: BLE001 (any failure to load leaves the old model serving)
+            metrics.reloads.labels("failed").inc()
+            log.error("reload failed, still serving version %s: %s", holder.runner.version, exc)
+            return error(422, f"reload failed, still serving version {holder.runner.version}: {exc}")
+        metrics.reloads.labels("ok").inc()
+        publish_model()
+        log.info("reloaded %s: version %s -> %s", holder.name, old, new)
+        return JSONResponse({"name": holder.name, "previous_version": old, "version": new})
+
+    # --- errors: always JSON, always 4xx for the client's mistakes ---------------------------------
+    async def protocol_error(request: Request, exc: ProtocolError) -> Response:
+        return error(exc.status, str(exc))
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        message = {404: f"no route {request.url.path!r}", 405: f"method {request.method} not allowed here"}
+        return error(exc.status_code, message.get(exc.status_code, exc.detail))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        batcher.start()
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # not in the main thread
+            loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(do_reload()))
+        log.info(
+            "serving %s version %s on %s (max batch %d, queue delay %.1f ms)",
+            holder.name,
+            holder.runner.version,
+            holder.runner.providers,
+            cfg.max_batch_size,
+            cfg.max_queue_delay_ms,
+        )
+        yield
+        await batcher.stop()
+
+    model = "/v2/models/{name}"
+    versioned = "/v2/models/{name}/versions/{version}"
+    routes = [
+        Route("/v2/health/live", live),
+        Route("/v2/health/ready", ready),
+        Route("/v2", server_metadata),
+        Route(model, model_meta),
+        Route(versioned, model_meta),
+        Route(model + "/ready", model_ready),
+        Route(versioned + "/ready", model_ready),
+        Route(model + "/infer", infer, methods=["POST"]),
+        Route(versioned + "/infer", infer, methods=["POST"]),
+        Route(model + "/classify", classify, methods=["POST"]),
+        Route("/v2/repository/models/{name}/load", reload, methods=["POST"]),
+        Route("/metrics", prometheus),
+    ]
+    app = Starlette(
+        routes=routes,
+        exception_handlers={ProtocolError: protocol_error, HTTPException: http_error},
+        lifespan=lifespan,
+    )
+    app.state.batcher, app.state.metrics, app.state.holder = batcher, metrics, holder
+    return Guard(app, metrics, cfg.token)
+
+
+def serve(cfg: ServerConfig) -> None:
+    """Load and warm up the model, then serve until SIGINT/SIGTERM (finishing in-flight requests)."""
+    import uvicorn
+
+    holder = ModelHolder(cfg)
+    app = create_app(holder, cfg)
+    if cfg.host not in ("127.0.0.1", "localhost", "::1") and not cfg.token:
+        log.warning("listening on %s without a bearer token: anyone who can reach the port can call it", cfg.host)
+    config = uvicorn.Config(
+        app,
+        host=cfg.host,
+        port=cfg.port,
+        access_log=False,
+        log_level="info",
+        timeout_graceful_shutdown=int(cfg.graceful_timeout_s),
+        lifespan="on",
+    )
+    # uvicorn restores the signal handlers it found and re-raises the signal it caught once it has
+    # shut down gracefully; with Python's defaults that would kill the process (exit -15 / 143) after a
+    # clean shutdown. Handlers that do nothing make the re-raise harmless, so SIGTERM exits 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    uvicorn.Server(config).run()
+
+
+__all__ = ["ModelHolder", "ServerConfig", "create_app", "serve"]
