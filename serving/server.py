@@ -294,9 +294,9 @@ def create_app(holder: ModelHolder, cfg: ServerConfig, metrics: Metrics | None =
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     # --- inference ---------------------------------------------------------------------------------
-    async def run_batch(x: np.ndarray):
+    async def run_batch(submit, x: np.ndarray):
         try:
-            res = await batcher.submit(x)
+            res = await submit(x)
         except ValueError as exc:  # a reload changed the input shape while the request waited
             raise ProtocolError(f"the model changed while the request waited ({exc}); send it again", 409) from None
         metrics.phase.labels("queue").observe(res.queue_s)
@@ -305,11 +305,12 @@ def create_app(holder: ModelHolder, cfg: ServerConfig, metrics: Metrics | None =
 
     async def infer(request: Request) -> Response:
         runner = runner_for(request)
-        body = await read_body(request)
-        body = decompress(body, request.headers.get("content-encoding"), cfg.max_body_bytes)
-        header, tail = split_body(body, request.headers.get("inference-header-content-length"))
-        req = parse_infer_request(header, tail, input_spec(runner), OUTPUTS, cfg.max_batch_size)
-        res = await run_batch(req.tensor)
+        async with batcher.slot() as submit:
+            body = await read_body(request)
+            body = decompress(body, request.headers.get("content-encoding"), cfg.max_body_bytes)
+            header, tail = split_body(body, request.headers.get("inference-header-content-length"))
+            req = parse_infer_request(header, tail, input_spec(runner), OUTPUTS, cfg.max_batch_size)
+            res = await run_batch(submit, req.tensor)
         threshold = res.tag.card.threshold
         scores = res.outputs["defect_score"]
         metrics.images.labels("defect").inc(int((scores >= threshold).sum()))
@@ -350,19 +351,22 @@ def create_app(holder: ModelHolder, cfg: ServerConfig, metrics: Metrics | None =
 
     async def classify(request: Request) -> Response:
         runner = runner_for(request)
-        data, filename = await image_from(request)
-        if not data:
-            raise ProtocolError("empty image: the request carried no image bytes")
-        spec = runner.card.input
-        t0 = time.perf_counter()
-        try:
-            img = await run_in_threadpool(load_image, data, spec.size, spec.channels, spec.resize, cfg.max_image_pixels)
-        except ImageDecodeError as exc:
-            status = 413 if "exceeds the limit" in str(exc) else 400
-            raise ProtocolError(str(exc).replace("<bytes>", "image"), status) from None
-        decode_s = time.perf_counter() - t0
-        metrics.phase.labels("decode").observe(decode_s)
-        res = await run_batch(img[None])
+        async with batcher.slot() as submit:
+            data, filename = await image_from(request)
+            if not data:
+                raise ProtocolError("empty image: the request carried no image bytes")
+            spec = runner.card.input
+            t0 = time.perf_counter()
+            try:
+                img = await run_in_threadpool(
+                    load_image, data, spec.size, spec.channels, spec.resize, cfg.max_image_pixels
+                )
+            except ImageDecodeError as exc:
+                status = 413 if "exceeds the limit" in str(exc) else 400
+                raise ProtocolError(str(exc).replace("<bytes>", "image"), status) from None
+            decode_s = time.perf_counter() - t0
+            metrics.phase.labels("decode").observe(decode_s)
+            res = await run_batch(submit, img[None])
         used: Runner = res.tag
         p, score = res.outputs["probs"][0], float(res.outputs["defect_score"][0])
         label, decision = used.decide(p, score)
@@ -418,6 +422,10 @@ def create_app(holder: ModelHolder, cfg: ServerConfig, metrics: Metrics | None =
     async def protocol_error(request: Request, exc: ProtocolError) -> Response:
         return error(exc.status, str(exc))
 
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        log.exception("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
+        return error(500, f"internal error ({type(exc).__name__}); the server logged the details")
+
     async def http_error(request: Request, exc: HTTPException) -> Response:
         message = {404: f"no route {request.url.path!r}", 405: f"method {request.method} not allowed here"}
         return error(exc.status_code, message.get(exc.status_code, exc.detail))
@@ -457,7 +465,7 @@ def create_app(holder: ModelHolder, cfg: ServerConfig, metrics: Metrics | None =
     ]
     app = Starlette(
         routes=routes,
-        exception_handlers={ProtocolError: protocol_error, HTTPException: http_error},
+        exception_handlers={ProtocolError: protocol_error, HTTPException: http_error, Exception: unexpected},
         lifespan=lifespan,
     )
     app.state.batcher, app.state.metrics, app.state.holder = batcher, metrics, holder

@@ -35,16 +35,17 @@ class Server:
         env.pop("DEFECT_RUNNER_TOKEN", None)
         if token:
             env["DEFECT_RUNNER_TOKEN"] = token
-        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"serve-{self.port}.log", "w+")  # noqa: SIM115
+        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"serve-{self.port}.log"
+        self.log = open(self.log_path, "w")  # noqa: SIM115 (closed in stop)
         cmd = [sys.executable, "-m", "serving.cli", "serve", "--model", str(model), "--providers", "cpu"]
         cmd += ["--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         self.wait_ready()
 
     def output(self) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()
+        if not self.log.closed:
+            self.log.flush()
+        return self.log_path.read_text()
 
     def wait_ready(self, timeout: float = 90) -> None:
         deadline = time.monotonic() + timeout

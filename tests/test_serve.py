@@ -3,6 +3,7 @@ hot reload, graceful shutdown, the image endpoint and its review queue, the regi
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import io
 import json
@@ -553,3 +554,22 @@ def test_load_image_of_the_runner_is_what_the_server_scores(server, runner, imag
         headers={**server.headers, "Content-Type": "image/png"},
     ).json()
     assert r1["outputs"][1]["data"][0] == pytest.approx(r2["defect_score"], abs=1e-6)
+
+
+def test_the_batcher_keeps_serving_after_a_request_fails_before_it_is_queued():
+    from serving.batcher import Batcher
+
+    async def main():
+        batcher = Batcher(lambda x: ({"sum": x.sum(axis=(1, 2, 3))}, "v1"), max_batch_size=4, max_queue_delay=0.05)
+        batcher.start()
+        await asyncio.sleep(0.05)  # the batcher is now idle, waiting for work
+        with pytest.raises(ValueError):
+            async with batcher.slot():  # announced, then fails while "decoding": wakes the batcher, no item
+                raise ValueError("undecodable")
+        async with batcher.slot() as submit:
+            result = await asyncio.wait_for(submit(np.ones((2, 2, 2, 1), np.uint8)), 5)
+        await batcher.stop()
+        return result
+
+    result = asyncio.run(main())
+    assert list(result.outputs["sum"]) == [4, 4] and result.tag == "v1" and result.batch_size == 2
