@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import mlflow
+from mlflow.exceptions import MlflowException
 
 from pipeline.config import MlflowConfig
 
@@ -73,7 +74,15 @@ def start_run(
 ) -> mlflow.ActiveRun:
     configure(cfg)
     if run_id:
-        return mlflow.start_run(run_id=run_id)
+        try:
+            mlflow.get_run(run_id)
+            return mlflow.start_run(run_id=run_id)
+        except MlflowException:
+            # The store was reset or the tracking URI changed since the checkpoint was written: the
+            # training itself is intact, so go on in a new run instead of losing the work.
+            log.warning(
+                "MLflow run %s is not in %s any more: continuing in a new run", run_id, mlflow.get_tracking_uri()
+            )
     name = run_name or os.environ.get("DVC_EXP_NAME")
     return mlflow.start_run(run_name=name, tags=tags)
 

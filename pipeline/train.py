@@ -55,9 +55,16 @@ def load_train_split(prepared_dir: Path) -> tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
+# The code that shapes the weights: a checkpoint written by other code is not resumed (DVC reruns the
+# stage when this code changes, and a finished checkpoint would otherwise just be handed back).
+TRAINING_CODE = ["train.py", "loop.py", "model.py", "augment.py", "runtime.py", "distributed.py"]
+
+
 def fingerprint(params: Params, prepared_dir: Path) -> str:
-    """sha256 over the params that shape the weights and the bytes of the training data."""
+    """sha256 over the params and code that shape the weights and the bytes of the training data."""
     h = hashlib.sha256()
+    for name in TRAINING_CODE:
+        h.update((Path(__file__).parent / name).read_bytes())
     train = {k: v for k, v in as_flat_dict(params.train).items() if k not in OPERATIONAL_KEYS}
     for section in (as_flat_dict(params.model), train, as_flat_dict(params.augment), as_flat_dict(params.prepare)):
         h.update(json.dumps(section, sort_keys=True, default=str).encode())
@@ -296,7 +303,7 @@ def _train(
     run_ctx = tracking.start_run(params.mlflow, state["run_id"], run_name, tags) if d.is_main else None
     with run_ctx or contextlib.nullcontext():
         if d.is_main:
-            if state["run_id"] is None:
+            if state["run_id"] != mlflow.active_run().info.run_id:  # a new run (also when the old one is gone)
                 mlflow.log_params({k: str(v)[:500] for k, v in as_flat_dict(params).items() if k != "source_file"})
                 log_data_reports(data_reports)
             state["run_id"] = mlflow.active_run().info.run_id
