@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup run test ui lint bench-train gpu-check clean
+.PHONY: setup run test ui lint bench bench-quick bench-train gpu-check clean
 
 # The venv is rebuilt when the pinned requirements change. torch 2.14.1 / torchvision 0.29.1 are pinned
 # because they install from this machine's disk; other versions download gigabytes.
@@ -30,6 +30,14 @@ ui: setup
 
 lint: setup
 	ruff check .
+
+# Every performance figure, side by side on this machine (~20 min on 2 cores; needs `make run` first):
+# reports/bench/*.json, reports/bench/README.md (the tables) and reports/bench/bench.png.
+bench: setup
+	python benchmarks/bench.py
+
+bench-quick: setup
+	python benchmarks/bench.py --quick
 
 # Training throughput on this CPU: the train stage's loop vs a plain PyTorch loop, side by side.
 bench-train: setup

@@ -135,6 +135,9 @@ class BenchmarkConfig:
     repeats: int
     warmup: int
     max_images: int
+    rounds: int  # interleaved rounds for the end-to-end and HTTP comparisons
+    http_concurrency: int  # closed-loop HTTP clients against `defect-runner serve`
+    http_seconds: float  # per contender per round
 
 
 @dataclass(frozen=True)

@@ -1,67 +1,122 @@
-"""Stage benchmark: the edge runner vs PyTorch eager on the same model and test images, interleaved."""
+"""Stage benchmark: the edge runner (each exported variant) vs PyTorch eager on the same model and test
+images, interleaved; end to end from PNG and JPEG files; the HTTP server vs the runner in process."""
 
 import json
-import time
+import tempfile
 from pathlib import Path
 
 import torch
+from PIL import Image
 
 from pipeline import tracking
-from pipeline.bench import batches, interleaved
+from pipeline.bench import batches, end_to_end, http_vs_in_process, interleaved
 from pipeline.entry import run_stage
 from pipeline.prepare import load_split
 from pipeline.train import load_model
 from serving.runner import Runner
+
+EXPORT = Path("models/export")
+
+
+def variant_files() -> dict[str, Path]:
+    files = {"fp32": EXPORT / "model.onnx"}
+    files |= {v: EXPORT / f"model.{v}.onnx" for v in ("fp16", "int8") if (EXPORT / f"model.{v}.onnx").exists()}
+    return files
+
+
+def plot(report: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    b1 = report["batch_1"]
+    names = [k for k in b1 if isinstance(b1[k], dict) and "p50_ms" in b1[k]]
+    spread = [[0] * len(names), [b1[n]["p99_ms"] - b1[n]["p50_ms"] for n in names]]
+    axes[0].bar(names, [b1[n]["p50_ms"] for n in names], yerr=spread)
+    axes[0].set(title="batch 1 latency (p50, bar to p99)", ylabel="ms")
+    e2e = report["end_to_end"]
+    labels = [f"{v} {fmt.split('_')[0]}" for v in e2e for fmt in e2e[v]]
+    values = [e2e[v][fmt] for v in e2e for fmt in e2e[v]]
+    http = report["http"]
+    labels += [f"HTTP c={http['concurrency']} tensors", f"HTTP c={http['concurrency']} images"]
+    values += [http["infer_img_s"], http["classify_img_s"]]
+    axes[1].barh(labels, values)
+    axes[1].axvline(116, color="red", linestyle="--", label="116 img/s = 10 M images/day")
+    axes[1].set(title="images/s end to end (decode, resize, infer)", xlabel="img/s")
+    axes[1].legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
 
 
 def main(params):
     cfg = params.benchmark
     x_test, _, paths = load_split(Path("data/prepared"), "test")
     x_test, paths = x_test[: cfg.max_images], paths[: cfg.max_images]
-    runner = Runner("models/export/model.onnx", providers="cpu", spin=False)  # spinning would starve torch
+    files = [Path("data/raw/images") / p for p in paths]
+    # spin=False: a busy-waiting onnxruntime thread pool would starve PyTorch in the interleaved rounds.
+    runners = {v: Runner(f, providers="cpu", spin=False, force=True) for v, f in variant_files().items()}
     net, _ = load_model(Path("models/train/model.pt"))
 
     def eager(batch):
         with torch.inference_mode():
             return net(torch.from_numpy(batch)).softmax(1)
 
-    report = {"providers": runner.providers, "torch_threads": torch.get_num_threads()}
+    report: dict = {
+        "providers": runners["fp32"].providers,
+        "torch_threads": torch.get_num_threads(),
+        "deployable": {v: r.card.deployable for v, r in runners.items()},
+        "input_size": runners["fp32"].card.input.size,
+    }
     for bs in cfg.batch_sizes:
         batch = batches(x_test, bs)
-        res = interleaved(
-            {"runner": lambda b=batch: runner.predict(b), "torch_eager": lambda b=batch: eager(b)},
-            bs,
-            cfg.repeats,
-            cfg.warmup,
-        )
-        res["speedup_p50"] = res["torch_eager"]["p50_ms"] / res["runner"]["p50_ms"]
+        contenders = {v: (lambda r=r, b=batch: r.predict(b)) for v, r in runners.items()}
+        res = interleaved(contenders | {"torch_eager": lambda b=batch: eager(b)}, bs, cfg.repeats, cfg.warmup)
+        res["speedup_p50"] = {v: res["torch_eager"]["p50_ms"] / res[v]["p50_ms"] for v in runners}
         report[f"batch_{bs}"] = res
         print(
-            f"benchmark: batch {bs}: runner {res['runner']['p50_ms']:.1f} ms, torch eager "
-            f"{res['torch_eager']['p50_ms']:.1f} ms p50 -> {res['speedup_p50']:.2f}x"
+            f"benchmark: batch {bs}: torch eager {res['torch_eager']['p50_ms']:.1f} ms p50; "
+            + ", ".join(f"{v} {res[v]['p50_ms']:.1f} ms ({res['speedup_p50'][v]:.2f}x)" for v in runners)
         )
-    # End to end from image files on disk: decode + resize + inference, as the runner does in production.
-    files = [Path("data/raw/images") / p for p in paths]
-    t0 = time.perf_counter()
-    n = sum(1 for r in runner.predict_files(files, batch_size=max(cfg.batch_sizes)) if not r.error)
-    report["end_to_end_img_s"] = n / (time.perf_counter() - t0)
+    with tempfile.TemporaryDirectory() as tmp:  # the same images as JPEG, as most line cameras send them
+        jpegs = []
+        for i, f in enumerate(files):
+            jpegs.append(Path(tmp) / f"{i:05d}.jpg")
+            Image.open(f).convert("RGB").save(jpegs[-1], quality=95)
+        report["end_to_end"] = end_to_end(runners, {"png": files, "jpeg": jpegs}, cfg.rounds, max(cfg.batch_sizes))
+    for v, r in report["end_to_end"].items():
+        print(f"benchmark: end to end {v}: " + ", ".join(f"{k} {x:.0f}" for k, x in r.items()))
+    recommended = runners["fp32"].card.recommended.get("cpu", "fp32")
+    http_model = variant_files().get(recommended, EXPORT / "model.onnx")
+    report["http"] = http_vs_in_process(http_model, x_test[:64], files[:64], cfg.http_concurrency, cfg.http_seconds,
+                                        cfg.rounds)  # fmt: skip
+    h = report["http"]
+    print(
+        f"benchmark: HTTP ({h['variant']}, {h['concurrency']} clients): tensors {h['infer_img_s']:.0f} img/s vs "
+        f"{h['in_process_img_s']:.0f} in process ({h['infer_vs_in_process']:.2f}), mean batch {h['mean_batch']:.1f}; "
+        f"images {h['classify_img_s']:.0f} vs {h['in_process_files_img_s']:.0f} ({h['classify_vs_in_process']:.2f})"
+    )
     out = Path("reports/benchmark")
     out.mkdir(parents=True, exist_ok=True)
     (out / "metrics.json").write_text(json.dumps(report, indent=2) + "\n")
-    flat = {
-        f"bench_{k}_{c}_{m}": v[c][m]
-        for k, v in report.items()
-        if k.startswith("batch_")
-        for c in ("runner", "torch_eager")
-        for m in ("p50_ms", "img_s")
-    }
-    flat |= {f"bench_{k}_speedup": v["speedup_p50"] for k, v in report.items() if k.startswith("batch_")}
+    plot(report, out / "benchmark.png")
+    flat = {}
+    for bs in cfg.batch_sizes:
+        for c, r in report[f"batch_{bs}"].items():
+            if c == "speedup_p50":
+                flat |= {f"bench_b{bs}_speedup_{v}": x for v, x in r.items()}
+            else:
+                flat |= {f"bench_b{bs}_{c}_p50_ms": r["p50_ms"], f"bench_b{bs}_{c}_img_s": r["img_s"]}
+    flat |= {f"bench_e2e_{v}_{k}": x for v, r in report["end_to_end"].items() for k, x in r.items()}
+    flat |= {f"bench_http_{k}": x for k, x in h.items() if isinstance(x, int | float)}
     with tracking.resume_run(params.mlflow, Path("models/train/run.json")):
         import mlflow
 
-        mlflow.log_metrics({**flat, "bench_end_to_end_img_s": report["end_to_end_img_s"]})
+        mlflow.log_metrics(flat)
         mlflow.log_artifact(str(out / "metrics.json"), "benchmark")
-    print(f"benchmark: end to end from files {report['end_to_end_img_s']:.1f} img/s")
+        mlflow.log_artifact(str(out / "benchmark.png"), "benchmark")
 
 
 if __name__ == "__main__":

@@ -58,7 +58,11 @@ def test_every_stage_wrote_its_outputs(repro: Path):
     for variant in ("fp16", "int8"):
         assert (repro / f"models/export/model.{variant}.onnx").exists()
     bench = json.loads((repro / "reports/benchmark/metrics.json").read_text())
-    assert bench["batch_1"]["runner"]["p50_ms"] > 0 and bench["batch_4"]["speedup_p50"] > 0
+    assert bench["batch_1"]["fp32"]["p50_ms"] > 0 and set(bench["batch_4"]["speedup_p50"]) == {"fp32", "fp16", "int8"}
+    assert set(bench["end_to_end"]["int8"]) == {"png_img_s", "jpeg_img_s"}
+    http = bench["http"]  # a real `defect-runner serve` under load: every request answered
+    assert http["infer_img_s"] > 0 and http["infer_errors"] == 0 and http["classify_errors"] == 0
+    assert (repro / "reports/benchmark/benchmark.png").exists()
 
 
 def test_metrics_show_lists_evaluation_and_benchmark(repro: Path):
@@ -99,7 +103,7 @@ def test_one_mlflow_run_holds_every_stage(repro: Path):
     run = client.get_run(run_id)
     assert "val_loss" in run.data.metrics and "test_accuracy" in run.data.metrics
     assert "export_fp32_prob_max_abs_diff" in run.data.metrics and "export_int8_defect_recall" in run.data.metrics
-    assert "bench_batch_1_speedup" in run.data.metrics and "data_accepted" in run.data.metrics
+    assert "bench_b1_speedup_fp32" in run.data.metrics and "data_accepted" in run.data.metrics
     assert run.data.tags["export.recommended.cuda"] in ("fp16", "fp32")
     assert run.data.params["model.name"] == "tf_efficientnet_lite0"
     assert run.data.tags["git.commit"]
