@@ -106,6 +106,7 @@ class TrainConfig:
 @dataclass(frozen=True)
 class EvaluateConfig:
     target_defect_recall: float  # the threshold is chosen on the val split to reach this recall
+    max_false_alarm_rate: float  # also reported: test recall at the val threshold that keeps this FAR
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,24 @@ def choose_threshold(defect_scores: np.ndarray, is_defect: np.ndarray, target_re
     return float(scores[allowed_misses])
 
 
+def threshold_for_false_alarms(ok_scores: np.ndarray, max_rate: float) -> float:
+    """Smallest threshold t with false-alarm rate(score >= t) <= max_rate on these OK images."""
+    scores = np.sort(ok_scores)[::-1]
+    if len(scores) == 0:
+        raise ValueError("the validation split has no OK images: cannot choose a threshold")
+    allowed = int(np.floor(len(scores) * max_rate + 1e-9))  # OK images that may be flagged
+    return float(np.nextafter(scores[allowed], np.inf)) if allowed < len(scores) else 0.0
+
+
+def roc_auc(scores: np.ndarray, is_defect: np.ndarray) -> float:
+    """Probability that a defect image scores above an OK image (ties count half)."""
+    pos, neg = scores[is_defect], scores[~is_defect]
+    if not len(pos) or not len(neg):
+        return float("nan")
+    greater = (pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()
+    return float(greater / (len(pos) * len(neg)))
+
+
 def binary_metrics(defect_scores: np.ndarray, is_defect: np.ndarray, threshold: float) -> dict:
     flagged = defect_scores >= threshold
     n_def, n_ok = int(is_defect.sum()), int((~is_defect).sum())
@@ -68,18 +86,32 @@ def evaluate(
     ok_class: str,
     target_recall: float,
     out_dir: Path,
+    max_false_alarm_rate: float = 0.03,
 ) -> dict:
-    """Probabilities (N, K) of val and test -> metrics dict; writes metrics.json and plots to out_dir."""
+    """Probabilities (N, K) of val and test -> metrics dict; writes metrics.json and plots to out_dir.
+
+    Two operating points, both chosen on the val split and measured on test: ``threshold`` catches
+    ``target_recall`` of val defects (the one the model card uses), ``far_threshold`` flags at most
+    ``max_false_alarm_rate`` of val OK images (how many defects does a line that tolerates that many
+    false alarms catch?). ROC AUC summarizes the separation independent of any threshold.
+    """
     ok = classes.index(ok_class)
-    threshold = choose_threshold(1 - val_probs[:, ok], y_val != ok, target_recall)
+    val_scores = 1 - val_probs[:, ok]
+    threshold = choose_threshold(val_scores, y_val != ok, target_recall)
+    far_threshold = threshold_for_false_alarms(val_scores[y_val == ok], max_false_alarm_rate)
     cls, cm = classification_metrics(test_probs, y_test, classes)
     test_scores = 1 - test_probs[:, ok]
     binary = binary_metrics(test_scores, y_test != ok, threshold)
+    at_far = binary_metrics(test_scores, y_test != ok, far_threshold)
     metrics = {
         "accuracy": cls["accuracy"],
         **binary,
         "threshold": threshold,
         "target_defect_recall": target_recall,
+        "roc_auc": roc_auc(test_scores, y_test != ok),
+        "far_threshold": far_threshold,
+        "defect_recall_at_far_threshold": at_far["defect_recall"],
+        "false_alarm_rate_at_far_threshold": at_far["false_alarm_rate"],
         "test_images": int(len(y_test)),
     }
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -87,6 +119,8 @@ def evaluate(
     (out_dir / "per_class.json").write_text(json.dumps(cls["per_class"], indent=2) + "\n")
     confusion_matrix_plot(cm, classes, f"test set, accuracy {cls['accuracy']:.3f}", out_dir / "confusion_matrix.png")
     _score_histogram(test_scores, y_test != ok, threshold, out_dir / "score_histogram.png")
+    _roc_plot(test_scores, y_test != ok, {"val recall target": threshold, "val FAR limit": far_threshold},
+              out_dir / "roc.png")  # fmt: skip
     with open(out_dir / "test_scores.csv", "w") as f:  # dvc plots: one row per test image
         f.write("label,is_defect,defect_score\n")
         for y, s in zip(y_test, test_scores, strict=True):
@@ -105,6 +139,25 @@ def _score_histogram(scores: np.ndarray, is_defect: np.ndarray, threshold: float
     ax.set_yscale("log")
     ax.set_xlabel("defect score = 1 - p(ok)")
     ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _roc_plot(scores: np.ndarray, is_defect: np.ndarray, points: dict[str, float], path: Path) -> None:
+    """ROC curve of the test split with the operating points of the val-chosen thresholds."""
+    import matplotlib.pyplot as plt
+
+    cuts = np.r_[np.inf, np.sort(np.unique(scores))[::-1]]
+    far = [binary_metrics(scores, is_defect, t)["false_alarm_rate"] for t in cuts]
+    rec = [binary_metrics(scores, is_defect, t)["defect_recall"] for t in cuts]
+    fig, ax = plt.subplots(figsize=(5, 4.5))
+    ax.plot(far, rec, label=f"test ROC, AUC {roc_auc(scores, is_defect):.3f}")
+    for (name, t), marker in zip(points.items(), "os", strict=False):
+        m = binary_metrics(scores, is_defect, t)
+        ax.plot(m["false_alarm_rate"], m["defect_recall"], marker, label=f"{name}: t={t:.3f}")
+    ax.set(xlabel="false-alarm rate (OK images flagged)", ylabel="defect recall", xlim=(0, 1), ylim=(0, 1.02))
+    ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -27,6 +27,7 @@ def main(params):
         meta["ok_class"],
         params.evaluate.target_defect_recall,
         out,
+        params.evaluate.max_false_alarm_rate,
     )
     with tracking.resume_run(params.mlflow, Path("models/train/run.json")):
         log_to_mlflow(metrics, out)
