@@ -38,7 +38,15 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline.bench import batches, end_to_end, http_vs_in_process, interleaved, timed_for  # noqa: E402
+from pipeline.bench import (  # noqa: E402
+    as_jpeg,
+    batches,
+    end_to_end,
+    http_vs_in_process,
+    interleaved,
+    timed_for,
+    variant_files,
+)  # noqa: E402
 from serving.runner import Runner  # noqa: E402
 
 # Where the pipeline's outputs are (the project by default; tests point it at a tiny copy).
@@ -71,21 +79,8 @@ def test_images(limit: int) -> tuple[np.ndarray, list[Path]]:
 
 
 def runners() -> dict[str, Runner]:
-    files = {"fp32": EXPORT / "model.onnx"} | {
-        v: EXPORT / f"model.{v}.onnx" for v in ("fp16", "int8") if (EXPORT / f"model.{v}.onnx").exists()
-    }
-    out = {v: Runner(f, providers="cpu", spin=False, force=True) for v, f in files.items()}
-    return {v: r for v, r in out.items() if r.card.deployable or v == "fp32"}  # deployable ones only
-
-
-def as_jpeg(files: list[Path], folder: Path) -> list[Path]:
-    from PIL import Image
-
-    out = []
-    for i, f in enumerate(files):
-        out.append(folder / f"{i:05d}.jpg")
-        Image.open(f).convert("RGB").save(out[-1], quality=95)
-    return out
+    out = {v: Runner(f, providers="cpu", spin=False, force=True) for v, f in variant_files(EXPORT).items()}
+    return {v: r for v, r in out.items() if r.card.deployable or v == "fp32"}  # fp32 always, others if deployable
 
 
 # --- sections -------------------------------------------------------------------------------------

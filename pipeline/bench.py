@@ -64,6 +64,26 @@ def batches(images: np.ndarray, batch_size: int) -> np.ndarray:
     return np.ascontiguousarray(images[idx])
 
 
+def variant_files(export_dir: Path) -> dict[str, Path]:
+    """The exported variants present: {"fp32": model.onnx, "fp16": model.fp16.onnx, "int8": ...}."""
+    files = {"fp32": export_dir / "model.onnx"}
+    for v in ("fp16", "int8"):
+        if (export_dir / f"model.{v}.onnx").exists():
+            files[v] = export_dir / f"model.{v}.onnx"
+    return files
+
+
+def as_jpeg(files: list[Path], folder: Path) -> list[Path]:
+    """The same images re-encoded as JPEG (quality 95) in ``folder``, as most line cameras send them."""
+    from PIL import Image
+
+    out = []
+    for i, f in enumerate(files):
+        out.append(folder / f"{i:05d}.jpg")
+        Image.open(f).convert("RGB").save(out[-1], quality=95)
+    return out
+
+
 def timed_for(fn: Callable[[], int], seconds: float) -> float:
     """Call ``fn`` (which returns how many images it handled) until ``seconds`` pass; images/s."""
     n, t0 = 0, time.perf_counter()

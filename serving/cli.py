@@ -44,6 +44,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trt-fp16", action="store_true", help="let TensorRT run layers in fp16")
 
 
+def _add_review_args(p: argparse.ArgumentParser) -> None:
+    """The review-queue rule, shared by watch and serve (serving.review.ReviewRule)."""
+    p.add_argument("--review-margin", type=float, default=0.1, help="queue scores this close to the threshold")
+    p.add_argument("--review-min-confidence", type=float, default=0.6, help="queue top probabilities below this")
+
+
 def _runner(args: argparse.Namespace) -> Runner:
     return open_runner(
         args.model,
@@ -198,8 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("inbox", help="the folder to watch")
     w.add_argument("--out", required=True, help="folder for results.jsonl, done/, failed/ and review/")
     w.add_argument("--settle", type=float, default=1.0, help="seconds a file must stay unchanged (default 1)")
-    w.add_argument("--review-margin", type=float, default=0.1, help="queue scores this close to the threshold")
-    w.add_argument("--review-min-confidence", type=float, default=0.6, help="queue top probabilities below this")
+    _add_review_args(w)
     w.add_argument("--batch-size", type=int, default=16)
     w.add_argument("--once", action="store_true", help="score what is in the inbox, then exit")
     w.set_defaults(func=cmd_watch)
@@ -224,8 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--max-body-mb", type=float, default=16.0, help="largest request body accepted (default 16)")
     s.add_argument("--token-file", help="file holding the bearer token (else $DEFECT_RUNNER_TOKEN; none: open)")
     s.add_argument("--review-dir", help="copy unsure images sent to /classify here, as review/<class>/")
-    s.add_argument("--review-margin", type=float, default=0.1, help="queue scores this close to the threshold")
-    s.add_argument("--review-min-confidence", type=float, default=0.6, help="queue top probabilities below this")
+    _add_review_args(s)
     s.add_argument("--graceful-timeout", type=float, default=30.0, help="seconds to finish requests at SIGTERM")
     s.set_defaults(func=cmd_serve)
     args = parser.parse_args(argv)

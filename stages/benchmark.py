@@ -6,22 +6,15 @@ import tempfile
 from pathlib import Path
 
 import torch
-from PIL import Image
 
 from pipeline import tracking
-from pipeline.bench import batches, end_to_end, http_vs_in_process, interleaved
+from pipeline.bench import as_jpeg, batches, end_to_end, http_vs_in_process, interleaved, variant_files
 from pipeline.entry import run_stage
 from pipeline.prepare import load_split
 from pipeline.train import load_model
 from serving.runner import Runner
 
 EXPORT = Path("models/export")
-
-
-def variant_files() -> dict[str, Path]:
-    files = {"fp32": EXPORT / "model.onnx"}
-    files |= {v: EXPORT / f"model.{v}.onnx" for v in ("fp16", "int8") if (EXPORT / f"model.{v}.onnx").exists()}
-    return files
 
 
 def plot(report: dict, out: Path) -> None:
@@ -57,7 +50,7 @@ def main(params):
     x_test, paths = x_test[: cfg.max_images], paths[: cfg.max_images]
     files = [Path("data/raw/images") / p for p in paths]
     # spin=False: a busy-waiting onnxruntime thread pool would starve PyTorch in the interleaved rounds.
-    runners = {v: Runner(f, providers="cpu", spin=False, force=True) for v, f in variant_files().items()}
+    runners = {v: Runner(f, providers="cpu", spin=False, force=True) for v, f in variant_files(EXPORT).items()}
     net, _ = load_model(Path("models/train/model.pt"))
 
     def eager(batch):
@@ -81,15 +74,12 @@ def main(params):
             + ", ".join(f"{v} {res[v]['p50_ms']:.1f} ms ({res['speedup_p50'][v]:.2f}x)" for v in runners)
         )
     with tempfile.TemporaryDirectory() as tmp:  # the same images as JPEG, as most line cameras send them
-        jpegs = []
-        for i, f in enumerate(files):
-            jpegs.append(Path(tmp) / f"{i:05d}.jpg")
-            Image.open(f).convert("RGB").save(jpegs[-1], quality=95)
+        jpegs = as_jpeg(files, Path(tmp))
         report["end_to_end"] = end_to_end(runners, {"png": files, "jpeg": jpegs}, cfg.rounds, max(cfg.batch_sizes))
     for v, r in report["end_to_end"].items():
         print(f"benchmark: end to end {v}: " + ", ".join(f"{k} {x:.0f}" for k, x in r.items()))
     recommended = runners["fp32"].card.recommended.get("cpu", "fp32")
-    http_model = variant_files().get(recommended, EXPORT / "model.onnx")
+    http_model = variant_files(EXPORT).get(recommended, EXPORT / "model.onnx")
     report["http"] = http_vs_in_process(http_model, x_test[:64], files[:64], cfg.http_concurrency, cfg.http_seconds,
                                         cfg.rounds)  # fmt: skip
     h = report["http"]
