@@ -1,6 +1,7 @@
 """``defect``: the pipeline's command line for people (the stages themselves run through ``dvc repro``).
 
 defect ingest NEW_FOLDER [--name NAME]   # add a batch of newly labeled images, then `dvc repro`
+defect mlflow-flush                      # send what stages buffered while the tracking server was down
 """
 
 from __future__ import annotations
@@ -30,6 +31,17 @@ def ingest_command(args: argparse.Namespace) -> int:
     return 3 if conflicts and args.strict else 0
 
 
+def flush_command(args: argparse.Namespace) -> int:
+    from pipeline.tracking import BUFFER_ROOT, flush_all
+
+    result = flush_all(BUFFER_ROOT)
+    if not result:
+        print(f"nothing buffered in {BUFFER_ROOT}")
+    for uri, (sent, pending) in result.items():
+        print(f"{uri}: sent {sent} logging calls, {pending} still waiting")
+    return 1 if any(pending for _, pending in result.values()) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     ap = argparse.ArgumentParser(prog="defect", description="Defect-detection pipeline tools")
@@ -41,7 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     ing.add_argument("--allow-new-class", action="store_true", help="accept class folders the dataset lacks")
     ing.add_argument("--no-dvc", action="store_true", help="do not `dvc add` the batch folder")
     ing.add_argument("--strict", action="store_true", help="exit 3 when any label conflict was found")
+    sub.add_parser("mlflow-flush", help="send MLflow calls buffered while the tracking server was unreachable")
     args = ap.parse_args(argv)
+    if args.command == "mlflow-flush":
+        return flush_command(args)
     try:
         return ingest_command(args)
     except ConfigError as exc:

@@ -101,12 +101,14 @@ class TrainConfig:
     num_workers: int
     threads: int  # torch intra-op threads on CPU; 0 = torch's default
     seed: int
+    init_from: str  # none, champion (the registry's champion weights) or the path of a model.pt
 
 
 @dataclass(frozen=True)
 class EvaluateConfig:
     target_defect_recall: float  # the threshold is chosen on the val split to reach this recall
     max_false_alarm_rate: float  # also reported: test recall at the val threshold that keeps this FAR
+    heatmaps_per_class: int  # test images per class drawn with their Grad-CAM heatmap (0 = off)
 
 
 @dataclass(frozen=True)
@@ -142,6 +144,22 @@ class BenchmarkConfig:
 
 
 @dataclass(frozen=True)
+class PromoteRule:
+    metric: Literal["defect_recall", "false_alarm_rate", "accuracy", "binary_accuracy"]
+    better: Literal["higher", "lower"]
+    tolerance: float  # differences up to this are a tie; the next rule decides
+
+
+@dataclass(frozen=True)
+class PromoteConfig:
+    model_name: str  # the registered model in the MLflow model registry
+    provider: Literal["cuda", "cpu"]  # whose recommended export variant is registered (the line's runners)
+    rules: list[PromoteRule]  # in order; the first rule that is not a tie decides
+    promote_on_tie: bool  # when every rule ties: move the champion to the newer model or keep it
+    max_false_alarm_rate: float  # above this a model does not discriminate: never promoted, loses its title
+
+
+@dataclass(frozen=True)
 class MlflowConfig:
     tracking_uri: str
     experiment: str
@@ -158,6 +176,7 @@ class Params:
     evaluate: EvaluateConfig
     export: ExportConfig
     benchmark: BenchmarkConfig
+    promote: PromoteConfig
     mlflow: MlflowConfig
     source_file: str = field(default="params.yaml", compare=False)
 
@@ -269,6 +288,14 @@ def _check_values(p: Params) -> None:
         problems.append(f"train.ema: a decay in [0, 1), got {t.ema}")
     if t.keep_last < 1 or t.keep_best < 1:
         problems.append("train.keep_last and train.keep_best must be at least 1")
+    if not p.promote.rules:
+        problems.append("promote.rules: at least one rule (e.g. {metric: defect_recall, better: higher, tolerance: 0})")
+    if any(r.tolerance < 0 for r in p.promote.rules):
+        problems.append("promote.rules: every tolerance must be >= 0")
+    if not 0 < p.promote.max_false_alarm_rate <= 1:
+        problems.append(f"promote.max_false_alarm_rate: must be in (0, 1], got {p.promote.max_false_alarm_rate}")
+    if p.evaluate.heatmaps_per_class < 0:
+        problems.append("evaluate.heatmaps_per_class: must be >= 0 (0 = no heatmaps)")
     if problems:
         raise ConfigError(f"{p.source_file}: " + "; ".join(problems))
 

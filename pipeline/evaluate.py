@@ -11,7 +11,6 @@ import json
 import logging
 from pathlib import Path
 
-import mlflow
 import numpy as np
 
 from pipeline.plots import confusion_matrix_plot
@@ -121,6 +120,7 @@ def evaluate(
     _score_histogram(test_scores, y_test != ok, threshold, out_dir / "score_histogram.png")
     _roc_plot(test_scores, y_test != ok, {"val recall target": threshold, "val FAR limit": far_threshold},
               out_dir / "roc.png")  # fmt: skip
+    _pr_plot(test_scores, y_test != ok, threshold, out_dir / "precision_recall.png")
     with open(out_dir / "test_scores.csv", "w") as f:  # dvc plots: one row per test image
         f.write("label,is_defect,defect_score\n")
         for y, s in zip(y_test, test_scores, strict=True):
@@ -163,6 +163,31 @@ def _roc_plot(scores: np.ndarray, is_defect: np.ndarray, points: dict[str, float
     plt.close(fig)
 
 
-def log_to_mlflow(metrics: dict, out_dir: Path) -> None:
-    mlflow.log_metrics({f"test_{k}": v for k, v in metrics.items() if isinstance(v, float)})
-    mlflow.log_artifacts(str(out_dir), "evaluate")
+def _pr_plot(scores: np.ndarray, is_defect: np.ndarray, threshold: float, path: Path) -> None:
+    """Precision-recall of the defect class on the test split, with the model card's threshold marked."""
+    import matplotlib.pyplot as plt
+
+    cuts = np.sort(np.unique(scores))[::-1]
+    flagged = scores[None, :] >= cuts[:, None]
+    tp = (flagged & is_defect[None, :]).sum(axis=1)
+    precision = tp / np.maximum(flagged.sum(axis=1), 1)
+    recall = tp / max(int(is_defect.sum()), 1)
+    at = scores >= threshold
+    p_at = (at & is_defect).sum() / max(int(at.sum()), 1)
+    r_at = (at & is_defect).sum() / max(int(is_defect.sum()), 1)
+    fig, ax = plt.subplots(figsize=(5, 4.5))
+    ax.plot(recall, precision, label="test split")
+    ax.plot(r_at, p_at, "o", label=f"card threshold {threshold:.3f}")
+    ax.axhline(is_defect.mean(), color="gray", linestyle=":", label=f"chance ({is_defect.mean():.2f})")
+    ax.set(xlabel="defect recall", ylabel="precision (flagged images that are defects)", xlim=(0, 1.02), ylim=(0, 1.02))
+    ax.legend(loc="lower left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def log_to_mlflow(run, metrics: dict, out_dir: Path) -> None:
+    run.log_metrics({f"test_{k}": v for k, v in metrics.items() if isinstance(v, float) and np.isfinite(v)})
+    per_class = json.loads((out_dir / "per_class.json").read_text())
+    run.log_metrics({f"test_recall_{c}": m["recall"] for c, m in per_class.items()})
+    run.log_artifacts(out_dir, "evaluate")

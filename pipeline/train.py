@@ -18,11 +18,11 @@ import hashlib
 import json
 import logging
 import math
+import os
 import shutil
 from pathlib import Path
 from typing import Any
 
-import mlflow
 import numpy as np
 import torch
 from torch import nn
@@ -37,6 +37,7 @@ from pipeline.model import DefectNet, create_model
 from pipeline.plots import curves_plot
 from pipeline.prepare import load_split, read_summary
 from pipeline.runtime import Runtime, resolve_runtime
+from pipeline.warmstart import WarmStart, resolve_init
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +58,13 @@ def load_train_split(prepared_dir: Path) -> tuple[np.ndarray, np.ndarray]:
 
 # The code that shapes the weights: a checkpoint written by other code is not resumed (DVC reruns the
 # stage when this code changes, and a finished checkpoint would otherwise just be handed back).
-TRAINING_CODE = ["train.py", "loop.py", "model.py", "augment.py", "runtime.py", "distributed.py"]
+TRAINING_CODE = ["train.py", "loop.py", "model.py", "augment.py", "runtime.py", "distributed.py", "warmstart.py"]
 
 
-def fingerprint(params: Params, prepared_dir: Path) -> str:
-    """sha256 over the params and code that shape the weights and the bytes of the training data."""
-    h = hashlib.sha256()
+def fingerprint(params: Params, prepared_dir: Path, init: str = "") -> str:
+    """sha256 over the params and code that shape the weights, the bytes of the training data and the
+    identity of the warm-start weights (``init``)."""
+    h = hashlib.sha256(init.encode())
     for name in TRAINING_CODE:
         h.update((Path(__file__).parent / name).read_bytes())
     train = {k: v for k, v in as_flat_dict(params.train).items() if k not in OPERATIONAL_KEYS}
@@ -163,11 +165,16 @@ def set_local_buffers(model: nn.Module, buffers: dict[str, torch.Tensor]) -> Non
             own[n].copy_(t)
 
 
-def build_model(params: Params, num_classes: int, channels: int, rt: Runtime, d: Dist) -> nn.Module:
-    """The network on its device, in channels_last where asked, wrapped for DDP/FSDP, compiled if asked."""
+def build_model(
+    params: Params, num_classes: int, channels: int, rt: Runtime, d: Dist, init: WarmStart | None = None
+) -> nn.Module:
+    """The network on its device (warm-started where asked), channels_last, DDP/FSDP, compiled if asked."""
     cfg = params.train
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-    model = create_model(params.model, num_classes, channels).to(rt.device)
+    model = create_model(params.model, num_classes, channels)
+    if init is not None:
+        init.load_into(model, params.model.name)
+    model = model.to(rt.device)
     channels_last = cfg.channels_last and d.mode != "fsdp"
     if cfg.channels_last and not channels_last:
         log.warning("train.channels_last is ignored with fsdp: fully_shard cannot shard non-contiguous weights")
@@ -225,7 +232,8 @@ def _train(
     )
     steps = len(sampler)
 
-    model = build_model(params, len(classes), channels, rt, d)
+    init = resolve_init(params)
+    model = build_model(params, len(classes), channels, rt, d, init)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, warmup_cosine(cfg.warmup_epochs * steps, cfg.epochs * steps)
@@ -236,7 +244,7 @@ def _train(
     eval_criterion = nn.CrossEntropyLoss()
     torch.manual_seed(cfg.seed * 7919 + d.rank)  # this rank's dropout stream from here on
 
-    fp = fingerprint(params, prepared_dir)
+    fp = fingerprint(params, prepared_dir, init.identity if init else "")
     store = checkpoint.CheckpointDir(out_dir / "checkpoints", d, cfg.keep_last)
     state: dict[str, Any] = {
         "epoch": 0,  # epochs completed
@@ -297,16 +305,21 @@ def _train(
         "resize": info["resize"],
         "fingerprint": fp,
         "ema": cfg.ema,
+        "init_from": init.identity if init else "",
     }
     run_name = f"{params.model.name}-{info['image_size']}px-{fp[:8]}"
-    tags = {**tracking.git_info(), **tracking.dvc_lock_hashes(), "data.fingerprint": fp, "stage": "train"}
-    run_ctx = tracking.start_run(params.mlflow, state["run_id"], run_name, tags) if d.is_main else None
-    with run_ctx or contextlib.nullcontext():
+    if os.environ.get("DVC_EXP_NAME"):  # `dvc exp run`: the experiment's name first, so runs tell apart
+        run_name = f"{os.environ['DVC_EXP_NAME']}-{run_name}"
+    tags = {**tracking.git_info(), **tracking.lineage_tags(), "data.fingerprint": fp, "stage": "train"}
+    if init is not None:
+        tags |= {"init_from": init.identity, "init_from.run_id": init.run_id}
+    run_ctx = tracking.open_run(params.mlflow, state["run_id"], run_name, tags) if d.is_main else None
+    with run_ctx or contextlib.nullcontext() as run:
         if d.is_main:
-            if state["run_id"] != mlflow.active_run().info.run_id:  # a new run (also when the old one is gone)
-                mlflow.log_params({k: str(v)[:500] for k, v in as_flat_dict(params).items() if k != "source_file"})
-                log_data_reports(data_reports)
-            state["run_id"] = mlflow.active_run().info.run_id
+            if run.new:  # a new run (also when the old one is gone): what it was made from
+                run.log_params({k: v for k, v in as_flat_dict(params).items() if k != "source_file"})
+                log_data_reports(run, data_reports)
+            state["run_id"] = run.run_id
         log.info(
             "training %s on %d images (%s, %s, %d process%s) for %d epochs of %d steps; MLflow run %s",
             params.model.name,
@@ -365,27 +378,27 @@ def _train(
                 state["stopped_early"] = True
                 log.info("early stop: val_loss has not improved for %d epochs", state["bad_epochs"])
             if d.is_main:
-                mlflow.log_metrics({k: v for k, v in row.items() if k != "epoch"}, step=epoch + 1)
+                run.log_metrics({k: v for k, v in row.items() if k != "epoch"}, step=epoch + 1)
                 log.info("epoch %d: %s", epoch + 1, ", ".join(f"{k}={v:.4g}" for k, v in row.items() if k != "epoch"))
             progress = EpochProgress()
             save_checkpoint(progress)
         if not d.is_main:
             return None
-        return finish(state, cfg, store.root, out_dir, reports_dir, rt, steps, len(y_tr))
+        return finish(run, state, cfg, store.root, out_dir, reports_dir, rt, steps, len(y_tr))
 
 
-def log_data_reports(folder: Path | None) -> None:
+def log_data_reports(run: tracking.Run, folder: Path | None) -> None:
     """The validation figures as ``data_*`` metrics and the data reports as artifacts of the run."""
     if folder is None:
         return
     summary = folder / "validate" / "summary.json"
     if summary.is_file():
         figures = json.loads(summary.read_text())
-        mlflow.log_metrics({f"data_{k}": v for k, v in figures.items() if isinstance(v, int | float)})
-        mlflow.log_metrics({f"data_count_{c}": n for c, n in figures.get("per_class", {}).items()})
+        run.log_metrics({f"data_{k}": v for k, v in figures.items() if isinstance(v, int | float)})
+        run.log_metrics({f"data_count_{c}": n for c, n in figures.get("per_class", {}).items()})
     for sub in ("validate", "augment"):
         if (folder / sub).is_dir():
-            mlflow.log_artifacts(str(folder / sub), sub)
+            run.log_artifacts(folder / sub, sub)
 
 
 def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer, ema: EMA) -> dict[str, Any]:
@@ -418,7 +431,9 @@ def resume(
     newest = checkpoint.load(steps[0] / "state.pt")
     if newest is not None and newest["fingerprint"] != fp:
         old_fp = newest["fingerprint"][:12]
-        where = f"{steps[0]} was trained on other params or data (fingerprint {old_fp}, now {fp[:12]})"
+        where = (
+            f"{steps[0]} was trained on other params, code, data or warm start (fingerprint {old_fp}, now {fp[:12]})"
+        )
         if on_mismatch == "stop":
             raise ConfigError(f"checkpoint {where}; stopping (train.on_mismatch: stop). Move it away to start fresh")
         log.warning("checkpoint %s: starting fresh; the old checkpoints move to %s", where, store.root / "superseded")
@@ -462,7 +477,15 @@ def keep_best_model(weights: dict, meta: dict, state: dict, cfg: Any, store: che
 
 
 def finish(
-    state: dict, cfg: Any, ckpt_root: Path, out_dir: Path, reports_dir: Path, rt: Runtime, steps: int, n_train: int
+    run: tracking.Run,
+    state: dict,
+    cfg: Any,
+    ckpt_root: Path,
+    out_dir: Path,
+    reports_dir: Path,
+    rt: Runtime,
+    steps: int,
+    n_train: int,
 ) -> dict:
     """Rank 0, after the last epoch: the best model to model.pt, run.json, history, curves, metrics."""
     best_file = ckpt_root / state["best_models"][0][1]
@@ -470,8 +493,8 @@ def finish(
     if best is None:
         raise FileNotFoundError(f"{best_file}: the best model file is unreadable; delete {ckpt_root} and retrain")
     shutil.copyfile(best_file, out_dir / "model.pt")
-    run = {"run_id": state["run_id"], "fingerprint": best["meta"]["fingerprint"]}
-    (out_dir / "run.json").write_text(json.dumps(run) + "\n")
+    run_file = {"run_id": state["run_id"], "fingerprint": best["meta"]["fingerprint"]}
+    (out_dir / "run.json").write_text(json.dumps(run_file) + "\n")
     reports_dir.mkdir(parents=True, exist_ok=True)
     with open(reports_dir / "history.csv", "w", newline="") as f:
         w = csv.DictWriter(f, list(state["history"][0]))
@@ -491,5 +514,6 @@ def finish(
         "precision": rt.precision,
     }
     (reports_dir / "metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
-    mlflow.log_artifacts(str(reports_dir), "train")
+    run.log_artifacts(reports_dir, "train")
+    run.log_artifacts(out_dir / "model.pt", "model")  # what `train.init_from: champion` starts from
     return summary

@@ -101,12 +101,10 @@ def main(params):
                 flat |= {f"bench_b{bs}_{c}_p50_ms": r["p50_ms"], f"bench_b{bs}_{c}_img_s": r["img_s"]}
     flat |= {f"bench_e2e_{v}_{k}": x for v, r in report["end_to_end"].items() for k, x in r.items()}
     flat |= {f"bench_http_{k}": x for k, x in h.items() if isinstance(x, int | float)}
-    with tracking.resume_run(params.mlflow, Path("models/train/run.json")):
-        import mlflow
-
-        mlflow.log_metrics(flat)
-        mlflow.log_artifact(str(out / "metrics.json"), "benchmark")
-        mlflow.log_artifact(str(out / "benchmark.png"), "benchmark")
+    with tracking.resume_run(params.mlflow, Path("models/train/run.json"), stage="benchmark") as run:
+        run.log_metrics(flat)
+        run.log_artifacts(out / "metrics.json", "benchmark")
+        run.log_artifacts(out / "benchmark.png", "benchmark")
 
 
 if __name__ == "__main__":

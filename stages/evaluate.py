@@ -1,10 +1,13 @@
-"""Stage evaluate: test metrics, the val-chosen threshold and plots, logged to the model's MLflow run."""
+"""Stage evaluate: test metrics, the val-chosen threshold, plots and Grad-CAM heatmaps, logged to the
+model's MLflow run."""
 
+import json
 from pathlib import Path
 
 from pipeline import tracking
 from pipeline.entry import run_stage
 from pipeline.evaluate import evaluate, log_to_mlflow, softmax
+from pipeline.heatmaps import heatmap_report
 from pipeline.prepare import load_split
 from pipeline.runtime import resolve_runtime
 from pipeline.train import load_model, predict_logits
@@ -15,7 +18,7 @@ def main(params):
     rt = resolve_runtime(params.train.device, params.train.precision)
     net = net.to(rt.device)
     x_val, y_val, _ = load_split(Path("data/prepared"), "val")
-    x_test, y_test, _ = load_split(Path("data/prepared"), "test")
+    x_test, y_test, test_paths = load_split(Path("data/prepared"), "test")
     val_probs, test_probs = (softmax(predict_logits(net, x, rt)) for x in (x_val, x_test))
     out = Path("reports/evaluate")
     metrics = evaluate(
@@ -29,8 +32,23 @@ def main(params):
         out,
         params.evaluate.max_false_alarm_rate,
     )
-    with tracking.resume_run(params.mlflow, Path("models/train/run.json")):
-        log_to_mlflow(metrics, out)
+    if params.evaluate.heatmaps_per_class > 0:
+        metrics |= heatmap_report(
+            net.float().cpu(),
+            x_test,
+            y_test,
+            test_probs,
+            test_paths,
+            meta["classes"],
+            meta["ok_class"],
+            Path("data/raw/masks"),
+            meta["resize"],
+            params.evaluate.heatmaps_per_class,
+            out,
+        )
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    with tracking.resume_run(params.mlflow, Path("models/train/run.json"), stage="evaluate") as run:
+        log_to_mlflow(run, metrics, out)
     print(f"evaluate: {metrics}")
 
 

@@ -97,13 +97,11 @@ def main(params):
     (out / "parity.json").write_text(json.dumps(metrics, indent=2) + "\n")
     (out / "variants.md").write_text(markdown_table(report, recommended, read_summary(prepared)["classes"]))
     variants_plot(report, out / "variants.png")
-    with tracking.resume_run(params.mlflow, Path("models/train/run.json")):
-        import mlflow
-
-        mlflow.log_metrics({f"export_{v}_{k}": val for v, m in metrics.items() for k, val in m.items()})
-        mlflow.set_tags({f"export.recommended.{p}": v for p, v in recommended.items()})
-        mlflow.log_artifacts("models/export", "export")
-        mlflow.log_artifacts(str(out), "export_report")
+    with tracking.resume_run(params.mlflow, Path("models/train/run.json"), stage="export") as run:
+        run.log_metrics({f"export_{v}_{k}": val for v, m in metrics.items() for k, val in m.items()})
+        run.set_tags({f"export.recommended.{p}": v for p, v in recommended.items()})
+        run.log_artifacts("models/export", "export")
+        run.log_artifacts(out, "export_report")
     for v, r in report.items():
         state = "deployable" if r["deployable"] else f"NOT deployable: {r['not_deployable_reason']}"
         print(

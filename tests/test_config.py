@@ -31,6 +31,11 @@ def test_the_shipped_params_load():
         (lambda p: p.update(extra={}), "extra: unknown key"),
         (lambda p: p["prepare"]["split"].update(val=0.6, test=0.4), "prepare.split"),
         (lambda p: p["data"].update(ok_class="good"), "data.ok_class"),
+        (lambda p: p["promote"]["rules"][0].update(metric="f1"), "promote.rules[0].metric: expected one of"),
+        (lambda p: p["promote"]["rules"][1].update(better="more"), "promote.rules[1].better: expected one of"),
+        (lambda p: p["promote"].update(rules=[]), "promote.rules: at least one rule"),
+        (lambda p: p["promote"].update(max_false_alarm_rate=0.0), "promote.max_false_alarm_rate: must be in"),
+        (lambda p: p["train"].pop("init_from"), "train.init_from: missing key"),
     ],
 )
 def test_a_mistake_names_the_key(mutate, message):

@@ -1,0 +1,188 @@
+"""Where the model looks: Grad-CAM heatmaps (captum) and the pointing-game score against defect masks.
+
+Grad-CAM weights a convolutional layer's feature maps by the gradient of one class logit and keeps the
+positive part: the regions that raise that class. We take the deepest layer with stride 16 (8 x 8
+cells at 128 px; the last layer's 4 x 4 is too coarse to point at a crack) and the image's *true*
+class, so a defect image classified right for the wrong reason (the background, the padding, a
+border) shows up as a miss.
+
+Pointing game (Zhang et al., 2016): a hit when the heatmap's peak falls inside the defect mask,
+dilated by ``tolerance`` pixels (a peak on the edge of a 2-pixel crack is a hit). Images whose mask is
+missing or empty are not counted.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+from captum.attr import LayerAttribution, LayerGradCam
+from PIL import Image
+from torch import nn
+
+from serving.preprocess import resize_image
+
+log = logging.getLogger(__name__)
+
+
+def cam_layer(net: nn.Module) -> nn.Module:
+    """The deepest feature layer with stride <= 16 of the timm backbone (its ``feature_info``)."""
+    info = getattr(net.backbone, "feature_info", None)
+    if not info:
+        raise ValueError(f"{type(net.backbone).__name__} has no feature_info: cannot pick a Grad-CAM layer")
+    name = [f["module"] for f in info if f["reduction"] <= 16][-1]
+    return net.backbone.get_submodule(name)
+
+
+def gradcam(net: nn.Module, images: np.ndarray, targets: np.ndarray, batch_size: int = 16) -> np.ndarray:
+    """(N, S, S, C) uint8 images, (N,) class indices -> (N, S, S) heatmaps scaled to [0, 1] per image."""
+    net = net.eval()
+    cam = LayerGradCam(net, cam_layer(net))
+    size = images.shape[1]
+    out = []
+    for i in range(0, len(images), batch_size):
+        x = torch.from_numpy(images[i : i + batch_size]).float()
+        t = torch.from_numpy(targets[i : i + batch_size]).long()
+        attr = cam.attribute(x, target=t, relu_attributions=True)  # (n, 1, h, w) at the layer's resolution
+        up = LayerAttribution.interpolate(attr, (size, size), interpolate_mode="bilinear")[:, 0]
+        out.append(up.detach().numpy())
+    maps = np.concatenate(out) if out else np.zeros((0, size, size), np.float32)
+    peak = maps.reshape(len(maps), -1).max(axis=1).reshape(-1, 1, 1)
+    return np.where(peak > 0, maps / np.maximum(peak, 1e-12), 0.0).astype(np.float32)
+
+
+def load_mask(masks_dir: Path, rel_path: str, size: int, resize: str) -> np.ndarray | None:
+    """The mask of image ``rel_path`` (``<class>/<name>.*`` -> ``masks_dir/<class>/<name>.png``), brought to
+    the model input exactly as the image was (same letterbox or squash); None when absent or empty."""
+    p = Path(rel_path)
+    path = masks_dir / p.parent / f"{p.stem}.png"
+    if not path.is_file():
+        return None
+    m = np.asarray(Image.open(path).convert("L"), dtype=np.uint8)
+    if not m.any():
+        return None
+    # Same geometry as the image; padding becomes 0 because the mask is binary-ish and padded with its mean.
+    m = resize_image((m > 127).astype(np.uint8)[:, :, None] * 255, size, resize)[:, :, 0]
+    return m > 127
+
+
+def pointing_game(maps: np.ndarray, masks: list[np.ndarray | None], tolerance: int) -> np.ndarray:
+    """Per image: 1.0 hit, 0.0 miss, nan when there is no mask to point at."""
+    from scipy.ndimage import binary_dilation
+
+    result = np.full(len(maps), np.nan)
+    for i, (m, mask) in enumerate(zip(maps, masks, strict=True)):
+        if mask is None or not m.any():
+            if mask is not None:
+                result[i] = 0.0  # an all-zero heatmap points nowhere
+            continue
+        y, x = np.unravel_index(np.argmax(m), m.shape)
+        grown = binary_dilation(mask, iterations=tolerance) if tolerance > 0 else mask
+        result[i] = float(grown[y, x])
+    return result
+
+
+def heatmap_grid(
+    images: np.ndarray,
+    maps: np.ndarray,
+    masks: list[np.ndarray | None],
+    titles: list[str],
+    rows: list[str],
+    per_row: int,
+    path: Path,
+) -> None:
+    """A PNG grid: one row per class, the image in gray, the heatmap over it, the mask outlined, the peak."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(rows), per_row, figsize=(2.0 * per_row, 2.15 * len(rows)), squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
+    for r, row in enumerate(rows):
+        axes[r, 0].set_title(row, loc="left", fontsize=9, fontweight="bold")
+    for k, (img, m, mask, title) in enumerate(zip(images, maps, masks, titles, strict=True)):
+        r, c = divmod(k, per_row)
+        ax = axes[r, c]
+        if not title:  # a class with fewer test images than cells: leave the cell empty
+            continue
+        ax.imshow(img.mean(axis=2), cmap="gray", vmin=0, vmax=255)
+        ax.imshow(m, cmap="jet", alpha=0.4, vmin=0, vmax=1)
+        if mask is not None:
+            ax.contour(mask, levels=[0.5], colors="white", linewidths=0.8)
+        if m.any():
+            y, x = np.unravel_index(np.argmax(m), m.shape)
+            ax.plot(x, y, "w+", markersize=8, markeredgewidth=1.5)
+        ax.text(2, img.shape[0] - 3, title, color="white", fontsize=6.5, backgroundcolor=(0, 0, 0, 0.55))
+    fig.suptitle("Grad-CAM for the true class (white line: defect mask, +: heatmap peak)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def heatmap_report(
+    net: nn.Module,
+    images: np.ndarray,
+    labels: np.ndarray,
+    probs: np.ndarray,
+    rel_paths: list[str],
+    classes: list[str],
+    ok_class: str,
+    masks_dir: Path,
+    resize: str,
+    per_class: int,
+    out_dir: Path,
+    seed: int = 0,
+) -> dict:
+    """Pointing game over every test defect image with a mask, and the grid of ``per_class`` images per
+    class; returns the metrics (``pointing_game`` is nan when no test image has a mask)."""
+    size = images.shape[1]
+    ok = classes.index(ok_class)
+    defect_idx = np.nonzero(labels != ok)[0]
+    masks_all = [load_mask(masks_dir, rel_paths[i], size, resize) for i in defect_idx]
+    with_mask = [j for j, m in enumerate(masks_all) if m is not None]
+    metrics: dict = {"pointing_game_images": len(with_mask)}
+    if with_mask:
+        idx = defect_idx[with_mask]
+        maps = gradcam(net, images[idx], labels[idx])
+        hits = pointing_game(maps, [masks_all[j] for j in with_mask], tolerance=max(1, size // 32))
+        metrics["pointing_game"] = float(np.nanmean(hits))
+        for c in sorted(set(labels[idx].tolist())):
+            sel = labels[idx] == c
+            metrics[f"pointing_game_{classes[c]}"] = float(np.nanmean(hits[sel]))
+    else:
+        metrics["pointing_game"] = float("nan")
+        log.info("no defect masks under %s for the test images: pointing game not measured", masks_dir)
+
+    rng = np.random.default_rng(seed)
+    chosen: list[int] = []
+    rows = []
+    for c, name in enumerate(classes):
+        members = np.nonzero(labels == c)[0]
+        if len(members):
+            rows.append(name)
+            pick = rng.choice(members, size=min(per_class, len(members)), replace=False)
+            chosen.extend(sorted(pick.tolist()) + [-1] * (per_class - len(pick)))
+    real = [i for i in chosen if i >= 0]
+    maps = dict(zip(real, gradcam(net, images[real], labels[real]), strict=True)) if real else {}
+    cells = [i for i in chosen]
+    grid_imgs, grid_maps, grid_masks, titles = [], [], [], []
+    for i in cells:
+        if i < 0:  # a class with fewer test images than per_class: an empty cell
+            grid_imgs.append(np.zeros((size, size, images.shape[3]), np.uint8))
+            grid_maps.append(np.zeros((size, size), np.float32))
+            grid_masks.append(None)
+            titles.append("")
+            continue
+        grid_imgs.append(images[i])
+        grid_maps.append(maps[i])
+        grid_masks.append(load_mask(masks_dir, rel_paths[i], size, resize) if labels[i] != ok else None)
+        titles.append(f"pred {classes[int(probs[i].argmax())]} {1 - probs[i, ok]:.2f}")
+    if rows:
+        heatmap_grid(
+            np.stack(grid_imgs), np.stack(grid_maps), grid_masks, titles, rows, per_class, out_dir / "heatmaps.png"
+        )
+    return metrics

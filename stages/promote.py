@@ -1,0 +1,22 @@
+"""Stage promote: register the export, alias it challenger, and move champion only to a better model."""
+
+from pathlib import Path
+
+from pipeline.entry import run_stage
+from pipeline.promote import promote
+
+
+def main(params):
+    d = promote(params, Path("models/export"), Path("data/raw/images"), Path("data/prepared"), Path("reports/promote"))
+    before = d["champion_before"]
+    c = d["challenger"]
+    vs = f" vs champion version {before['version']}" if before and before["version"] != c["version"] else ""
+    print(
+        f"promote: version {c['version']} ({c['variant']}): defect recall {c['defect_recall']:.3f}, false alarms "
+        f"{c['false_alarm_rate']:.3f}, accuracy {c['accuracy']:.3f}{vs}; "
+        f"{'now champion' if d['promoted'] else 'stays challenger'}: {d['reason']}"
+    )
+
+
+if __name__ == "__main__":
+    run_stage("promote", main)

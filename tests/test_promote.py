@@ -1,0 +1,114 @@
+"""The promote stage against a real MLflow registry (SQLite store): register, challenger, champion rules."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from pipeline.config import PromoteRule
+from pipeline.promote import decide
+from serving.registry import resolve
+from serving.runner import Runner
+from tests.conftest import run_stages_in, tiny_params
+
+RULES = [
+    PromoteRule("defect_recall", "higher", 0.005),
+    PromoteRule("false_alarm_rate", "lower", 0.005),
+    PromoteRule("accuracy", "higher", 0.0),
+]
+
+
+def m(recall: float, far: float, acc: float) -> dict:
+    return {"defect_recall": recall, "false_alarm_rate": far, "accuracy": acc}
+
+
+@pytest.mark.parametrize(
+    ("new", "old", "promoted", "why"),
+    [
+        (m(0.95, 0.30, 0.8), m(0.90, 0.10, 0.9), True, "defect_recall better"),  # recall decides first
+        (m(0.90, 0.10, 0.9), m(0.95, 0.01, 0.9), False, "defect_recall worse"),
+        (m(0.952, 0.10, 0.7), m(0.950, 0.20, 0.9), True, "false_alarm_rate better"),  # recall within tolerance
+        (m(0.95, 0.203, 0.95), m(0.95, 0.200, 0.90), True, "accuracy better"),  # both within tolerance
+        (m(0.95, 0.20, 0.90), m(0.95, 0.20, 0.90), False, "every rule tied"),  # a tie keeps the champion
+        (m(1.00, 1.00, 0.50), m(0.90, 0.10, 0.90), False, "above promote.max_false_alarm_rate"),  # flags everything
+        (m(0.80, 0.10, 0.80), m(1.00, 0.99, 0.50), True, "champion's false_alarm_rate"),
+    ],
+)
+def test_rules_decide_in_order(new, old, promoted, why):
+    got, reason = decide(new, old, RULES, promote_on_tie=False, max_false_alarm_rate=0.95)
+    assert got is promoted and why in reason, reason
+
+
+def test_a_tie_promotes_when_asked():
+    assert decide(m(0.9, 0.1, 0.9), m(0.9, 0.1, 0.9), RULES, promote_on_tie=True)[0] is True
+
+
+@pytest.fixture(scope="module")
+def registry_project(tmp_path_factory, exported_project) -> Path:
+    work = tmp_path_factory.mktemp("promote")
+    shutil.copytree(exported_project, work, dirs_exist_ok=True)
+    return work
+
+
+def client_for(project: Path) -> MlflowClient:
+    uri = f"sqlite:///{project / 'mlflow.db'}"
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def decision(project: Path) -> dict:
+    return json.loads((project / "reports/promote/decision.json").read_text())
+
+
+def test_first_model_becomes_champion_and_the_runner_can_pull_it(registry_project, tmp_path):
+    params = tiny_params(**{"model.name": "test_efficientnet"})
+    run_stages_in(registry_project, params, ["promote"])
+    d = decision(registry_project)
+    assert d["promoted"] and d["champion_before"] is None and "first model" in d["reason"]
+    client = client_for(registry_project)
+    name = params["promote"]["model_name"]
+    champion = client.get_model_version_by_alias(name, "champion")
+    assert str(champion.version) == str(client.get_model_version_by_alias(name, "challenger").version) == "1"
+    run_id = json.loads((registry_project / "models/train/run.json").read_text())["run_id"]
+    assert champion.run_id == run_id  # the version points at the training run that holds the whole story
+    card = json.loads((registry_project / "reports/export/variants.json").read_text())
+    assert champion.tags["variant"] == card["recommended"]["cuda"]
+    run = client.get_run(run_id)
+    assert run.data.tags["promote.decision"] == "champion"
+    assert run.data.metrics["promote_defect_recall"] == d["challenger"]["defect_recall"]
+
+    # What the runner pulls is the registered file, and it scores images.
+    files = resolve(f"models:/{name}@champion", tracking_uri=client.tracking_uri, cache=tmp_path / "cache")
+    runner = Runner(files.model_path, providers="cpu", force=True, warmup=0)
+    images = sorted((registry_project / "data/raw/images").rglob("*.png"))[:3]
+    assert [p.error for p in runner.predict_files(images)] == ["", "", ""]
+
+    # DVC re-running the stage (say, after a params change) registers nothing new.
+    run_stages_in(registry_project, params, ["promote"])
+    assert [str(v.version) for v in client.search_model_versions(f"name='{name}'")] == ["1"]
+
+
+def test_a_worse_model_stays_challenger_and_both_runs_record_it(registry_project):
+    """lr 0: the zero-initialised head never learns, every image scores the same and is flagged."""
+    params = tiny_params(**{"model.name": "test_efficientnet"})
+    champion_run = json.loads((registry_project / "models/train/run.json").read_text())["run_id"]
+    params["train"]["lr"] = 0.0
+    run_stages_in(registry_project, params, ["train", "evaluate", "export", "promote"])
+    d = decision(registry_project)
+    assert d["challenger"]["false_alarm_rate"] == 1.0
+    assert not d["promoted"] and "max_false_alarm_rate" in d["reason"]
+    client = client_for(registry_project)
+    name = params["promote"]["model_name"]
+    assert str(client.get_model_version_by_alias(name, "champion").version) == "1"
+    assert str(client.get_model_version_by_alias(name, "challenger").version) == "2"
+    assert d["champion_before"]["version"] == "1" and d["champion_before"]["run_id"] == champion_run
+    new_run = client.get_run(d["challenger"]["run_id"])
+    assert new_run.data.tags["promote.decision"] == "challenger"
+    assert new_run.data.tags["promote.compared_with"].startswith("version 1")
+    assert "promote_champion_defect_recall" in new_run.data.metrics
+    old_tags = client.get_run(champion_run).data.tags
+    assert old_tags["promote.challenged_by.v2"].startswith("held against version 2")
+    assert "challenged_by.v2" in client.get_model_version(name, "1").tags
