@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup run test ui lint bench bench-quick bench-train gpu-check clean
+.PHONY: setup run test ui lint bench bench-quick bench-train gpu-check tracking-server tracking-server-stop clean
 
 # The venv is rebuilt when the pinned requirements change. torch 2.14.1 / torchvision 0.29.1 are pinned
 # because they install from this machine's disk; other versions download gigabytes.
@@ -27,6 +27,13 @@ test: setup
 
 ui: setup
 	mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1 --port 5000
+
+# Shared MLflow server: PostgreSQL backend, artifacts served over HTTP, state in .tracking-server/
+tracking-server: setup
+	scripts/tracking_server.sh start
+
+tracking-server-stop:
+	scripts/tracking_server.sh stop
 
 lint: setup
 	ruff check .
