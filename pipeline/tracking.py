@@ -88,8 +88,9 @@ def git_info() -> dict[str, str]:
 
 
 def lineage_tags(path: Path = Path("dvc.lock"), params_file: Path = Path("params.yaml")) -> dict[str, str]:
-    """What this run was made from: the md5 of each stage's outputs in dvc.lock (the data lineage),
-    the md5 of params.yaml and of dvc.lock itself, and the DVC experiment name when under ``dvc exp run``."""
+    """What this run was made from: the md5 of each data folder in dvc.lock (``data/raw`` ... ``data/augmented``,
+    the data lineage; later stages' entries would be those of the previous run), the md5 of params.yaml and
+    of dvc.lock itself, and the DVC experiment name when under ``dvc exp run``."""
     tags: dict[str, str] = {}
     if path.is_file():
         import yaml
@@ -98,7 +99,7 @@ def lineage_tags(path: Path = Path("dvc.lock"), params_file: Path = Path("params
         lock = yaml.safe_load(path.read_text()) or {}
         for stage, body in (lock.get("stages") or {}).items():
             for out in body.get("outs") or []:
-                if "md5" in out:
+                if "md5" in out and out["path"].startswith("data/"):
                     tags[f"dvc.{stage}.{out['path']}"] = out["md5"]
     if params_file.is_file():
         tags["params.md5"] = hashlib.md5(params_file.read_bytes()).hexdigest()

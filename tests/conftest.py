@@ -76,6 +76,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def no_global_tracking_uri(monkeypatch):
+    """``mlflow.set_tracking_uri`` also sets ``MLFLOW_TRACKING_URI`` in the environment, which the pipeline
+    honours over params: one test's store must not leak into the next test."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+
+
 @pytest.fixture(scope="session")
 def real_data() -> Path:
     if not (REAL_DATA / "free").is_dir():

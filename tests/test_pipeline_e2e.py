@@ -44,6 +44,9 @@ def test_every_stage_wrote_its_outputs(repro: Path):
         "models/export/model.onnx",
         "models/export/model.card.json",
         "reports/benchmark/metrics.json",
+        "reports/evaluate/heatmaps.png",
+        "reports/evaluate/precision_recall.png",
+        "reports/promote/decision.json",
         "mlflow.db",
     ]:
         assert (repro / path).exists(), f"{path} missing after dvc repro"
@@ -84,6 +87,7 @@ def test_dag_is_the_chain(repro: Path):
         ("train", "evaluate"),
         ("evaluate", "export"),
         ("export", "benchmark"),
+        ("benchmark", "promote"),
     ]:
         assert f'"{a}" -> "{b}"' in out, f"no edge {a} -> {b} in:\n{out}"
 
@@ -99,7 +103,8 @@ def test_one_mlflow_run_holds_every_stage(repro: Path):
     import mlflow
 
     run_id = json.loads((repro / "models/train/run.json").read_text())["run_id"]
-    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{repro / 'mlflow.db'}")
+    uri = f"sqlite:///{repro / 'mlflow.db'}"
+    client = mlflow.MlflowClient(tracking_uri=uri, registry_uri=uri)
     run = client.get_run(run_id)
     assert "val_loss" in run.data.metrics and "test_accuracy" in run.data.metrics
     assert "export_fp32_prob_max_abs_diff" in run.data.metrics and "export_int8_defect_recall" in run.data.metrics
@@ -107,3 +112,9 @@ def test_one_mlflow_run_holds_every_stage(repro: Path):
     assert run.data.tags["export.recommended.cuda"] in ("fp16", "fp32")
     assert run.data.params["model.name"] == "tf_efficientnet_lite0"
     assert run.data.tags["git.commit"]
+    assert run.data.tags["promote.decision"] == "champion"  # the first model
+    assert "test_pointing_game" in run.data.metrics and "dvc.prepare.data/prepared" in run.data.tags
+    evaluate = {a.path for a in client.list_artifacts(run_id, "evaluate")}
+    assert {"evaluate/heatmaps.png", "evaluate/precision_recall.png", "evaluate/roc.png"} <= evaluate
+    version = client.get_model_version_by_alias("defect-detection", "champion")
+    assert version.run_id == run_id

@@ -137,12 +137,14 @@ def test_checkpoint_of_other_params_restarts_loudly_or_stops(uninterrupted, tmp_
     shutil.copytree(uninterrupted, tmp_path, dirs_exist_ok=True)
     stop = run_train(tmp_path, params(lr=0.001, on_mismatch="stop"))
     assert stop.returncode == 2
-    assert "was trained on other params or data" in stop.stderr and "train.on_mismatch: stop" in stop.stderr
+    assert "was trained on other params, code, data or warm start" in stop.stderr
+    assert "train.on_mismatch: stop" in stop.stderr
     assert checkpoint.step_dirs(ckpt_dir(tmp_path)), "stopping must not touch the checkpoints"
 
     restart = run_train(tmp_path, params(lr=0.001))
     assert restart.returncode == 0, restart.stderr[-3000:]
-    assert "was trained on other params or data" in restart.stderr and "starting fresh" in restart.stderr
+    assert "was trained on other params, code, data or warm start" in restart.stderr
+    assert "starting fresh" in restart.stderr
     assert "resuming" not in restart.stderr
     assert (ckpt_dir(tmp_path) / "superseded").is_dir()
     assert not same_weights(model_weights(uninterrupted), model_weights(tmp_path))
