@@ -142,21 +142,11 @@ def heatmap_report(
     class; returns the metrics (``pointing_game`` is nan when no test image has a mask)."""
     size = images.shape[1]
     ok = classes.index(ok_class)
-    defect_idx = np.nonzero(labels != ok)[0]
-    masks_all = [load_mask(masks_dir, rel_paths[i], size, resize) for i in defect_idx]
-    with_mask = [j for j, m in enumerate(masks_all) if m is not None]
-    metrics: dict = {"pointing_game_images": len(with_mask)}
-    if with_mask:
-        idx = defect_idx[with_mask]
-        maps = gradcam(net, images[idx], labels[idx])
-        hits = pointing_game(maps, [masks_all[j] for j in with_mask], tolerance=max(1, size // 16))
-        metrics["pointing_game"] = float(np.nanmean(hits))
-        for c in sorted(set(labels[idx].tolist())):
-            sel = labels[idx] == c
-            metrics[f"pointing_game_{classes[c]}"] = float(np.nanmean(hits[sel]))
-    else:
-        metrics["pointing_game"] = float("nan")
-        log.info("no defect masks under %s for the test images: pointing game not measured", masks_dir)
+    mask_of = {}  # test defect image index -> its mask, brought to the model input
+    for i in np.nonzero(labels != ok)[0].tolist():
+        mask = load_mask(masks_dir, rel_paths[i], size, resize)
+        if mask is not None:
+            mask_of[i] = mask
 
     rng = np.random.default_rng(seed)
     chosen: list[int] = []
@@ -167,11 +157,23 @@ def heatmap_report(
             rows.append(name)
             pick = rng.choice(members, size=min(per_class, len(members)), replace=False)
             chosen.extend(sorted(pick.tolist()) + [-1] * (per_class - len(pick)))
-    real = [i for i in chosen if i >= 0]
-    maps = dict(zip(real, gradcam(net, images[real], labels[real]), strict=True)) if real else {}
-    cells = [i for i in chosen]
+    # One Grad-CAM pass over every image either the pointing game or the grid needs.
+    need = sorted(set(mask_of) | {i for i in chosen if i >= 0})
+    maps = dict(zip(need, gradcam(net, images[need], labels[need]), strict=True)) if need else {}
+
+    metrics: dict = {"pointing_game_images": len(mask_of)}
+    if mask_of:
+        idx = np.array(sorted(mask_of))
+        hits = pointing_game(np.stack([maps[i] for i in idx]), [mask_of[i] for i in idx], tolerance=max(1, size // 16))
+        metrics["pointing_game"] = float(np.nanmean(hits))
+        for c in sorted(set(labels[idx].tolist())):
+            metrics[f"pointing_game_{classes[c]}"] = float(np.nanmean(hits[labels[idx] == c]))
+    else:
+        metrics["pointing_game"] = float("nan")
+        log.info("no defect masks under %s for the test images: pointing game not measured", masks_dir)
+
     grid_imgs, grid_maps, grid_masks, titles = [], [], [], []
-    for i in cells:
+    for i in chosen:
         if i < 0:  # a class with fewer test images than per_class: an empty cell
             grid_imgs.append(np.zeros((size, size, images.shape[3]), np.uint8))
             grid_maps.append(np.zeros((size, size), np.float32))
@@ -180,7 +182,7 @@ def heatmap_report(
             continue
         grid_imgs.append(images[i])
         grid_maps.append(maps[i])
-        grid_masks.append(load_mask(masks_dir, rel_paths[i], size, resize) if labels[i] != ok else None)
+        grid_masks.append(mask_of.get(i))
         titles.append(f"pred {classes[int(probs[i].argmax())]} {1 - probs[i, ok]:.2f}")
     if rows:
         heatmap_grid(

@@ -27,6 +27,7 @@ from mlflow.exceptions import MlflowException
 
 from pipeline import tracking
 from pipeline.config import Params, PromoteRule
+from pipeline.variants import variant_path
 from serving.card import ModelCard, card_path_for
 from serving.registry import resolve
 from serving.runner import Runner
@@ -106,11 +107,11 @@ def register(client: MlflowClient, run: tracking.Run, name: str, model_path: Pat
 
 def promote(params: Params, export_dir: Path, raw_images: Path, prepared: Path, out_dir: Path) -> dict:
     cfg = params.promote
-    variants = json.loads((Path("reports/export/variants.json")).read_text())
+    variants = json.loads(Path("reports/export/variants.json").read_text())
     variant = variants["recommended"].get(cfg.provider)
     if variant is None:
         raise RuntimeError(f"promote: export recommends no deployable variant for provider {cfg.provider!r}")
-    model_path = export_dir / ("model.onnx" if variant == "fp32" else f"model.{variant}.onnx")
+    model_path = variant_path(export_dir / "model.onnx", variant)
     card = ModelCard.read(card_path_for(model_path))
 
     from pipeline.prepare import load_split, read_summary
@@ -153,11 +154,11 @@ def promote(params: Params, export_dir: Path, raw_images: Path, prepared: Path, 
         }
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "decision.json").write_text(json.dumps(decision, indent=2) + "\n")
-        record(run, client, decision)
+        record(run, client, decision, out_dir / "decision.json")
     return decision
 
 
-def record(run: tracking.Run, client: MlflowClient, d: dict) -> None:
+def record(run: tracking.Run, client: MlflowClient, d: dict, report: Path) -> None:
     """The comparison on both training runs and both model versions."""
     name, ch, before = d["model_name"], d["challenger"], d["champion_before"]
     run.log_metrics({f"promote_{k}": ch[k] for k in ("defect_recall", "false_alarm_rate", "accuracy")})
@@ -178,4 +179,4 @@ def record(run: tracking.Run, client: MlflowClient, d: dict) -> None:
         client.set_model_version_tag(name, before["version"], f"challenged_by.v{ch['version']}", d["reason"])
     run.set_tags(tags)
     client.set_model_version_tag(name, ch["version"], "promotion", f"{tags['promote.decision']}: {d['reason']}")
-    run.log_artifacts(Path("reports/promote/decision.json"), "promote")
+    run.log_artifacts(report, "promote")

@@ -203,6 +203,7 @@ class Run:
 
     def __init__(self, client: MlflowClient, run_id: str, buffer: Buffer) -> None:
         self.client, self.run_id, self.buffer = client, run_id, buffer
+        self.new = False  # open_run: True when the run was created rather than continued
         self.offline_until = 0.0
         self.buffered = 0
         self.last_error = ""
@@ -259,11 +260,8 @@ class Run:
     def log_artifacts(self, local: str | Path, path: str) -> None:
         """A folder's files, or a single file, under the artifact folder ``path``."""
         local = str(local)
-        if Path(local).is_dir():
-            send = lambda: self.client.log_artifacts(self.run_id, local, path)  # noqa: E731
-        else:
-            send = lambda: self.client.log_artifact(self.run_id, local, path)  # noqa: E731
-        self._call("artifacts", send, local=local, path=path)
+        upload = self.client.log_artifacts if Path(local).is_dir() else self.client.log_artifact
+        self._call("artifacts", lambda: upload(self.run_id, local, path), local=local, path=path)
 
     def finish(self, status: str = "FINISHED") -> None:
         self._call("terminate", lambda: self.client.set_terminated(self.run_id, status), status=status)
@@ -305,20 +303,18 @@ def open_run(
                 run.last_error = _short(exc)
             else:
                 raise
-    new = run is None
-    if new:
-        name = run_name
+    if run is None:
         try:
-            created = client.create_run(experiment_id(client, cfg.experiment), run_name=name, tags=tags or {})
+            created = client.create_run(experiment_id(client, cfg.experiment), run_name=run_name, tags=tags or {})
         except Exception as exc:  # noqa: BLE001
             raise TrackingUnavailable(
                 f"mlflow.tracking_uri {client.tracking_uri}: cannot create a run ({_short(exc)}); start the "
                 "tracking server (scripts/tracking_server.sh start) or point MLFLOW_TRACKING_URI at a reachable store"
             ) from None
         run = Run(client, created.info.run_id, buffer)
+        run.new = True
     elif tags:
         run.set_tags(tags)
-    run.new = new
     try:
         yield run
     except BaseException:
