@@ -86,7 +86,8 @@ class TrainConfig:
     label_smoothing: float
     grad_clip: float  # max global gradient norm; 0 = off
     ema: float  # decay of the exponential moving average of the weights; 0 = off
-    early_stopping_patience: int  # epochs without a better val_loss before stopping; 0 = off
+    monitor: Literal["val_loss", "val_auc", "val_recall_at_far"]  # picks the kept model and drives early stopping
+    early_stopping_patience: int  # epochs without a better monitor value before stopping; 0 = off
     class_weighting: Literal["none", "loss", "sampling"]  # for imbalanced classes
     precision: Literal["auto", "fp32", "fp16", "bf16"]
     device: Literal["auto", "cpu", "cuda"]
@@ -96,7 +97,7 @@ class TrainConfig:
     processes: int  # processes on this machine; ddp/fsdp launch themselves through torchrun
     checkpoint_every_steps: int  # also checkpoint inside an epoch; 0 = at the end of each epoch only
     keep_last: int  # training checkpoints kept
-    keep_best: int  # consolidated best models kept (by val_loss)
+    keep_best: int  # consolidated best models kept (by the monitor)
     on_mismatch: Literal["restart", "stop"]  # a checkpoint of other params or data: start fresh, or stop
     num_workers: int
     threads: int  # torch intra-op threads on CPU; 0 = torch's default

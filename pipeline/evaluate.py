@@ -13,51 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.metrics import binary_metrics, choose_threshold, roc_auc, threshold_for_false_alarms
 from pipeline.plots import confusion_matrix_plot
 
 log = logging.getLogger(__name__)
-
-
-def softmax(logits: np.ndarray) -> np.ndarray:
-    e = np.exp(logits - logits.max(axis=1, keepdims=True))
-    return e / e.sum(axis=1, keepdims=True)
-
-
-def choose_threshold(defect_scores: np.ndarray, is_defect: np.ndarray, target_recall: float) -> float:
-    """Largest threshold t with recall(score >= t) >= target on these images."""
-    scores = np.sort(defect_scores[is_defect])
-    if len(scores) == 0:
-        raise ValueError("the validation split has no defect images: cannot choose a threshold")
-    allowed_misses = int(np.floor(len(scores) * (1 - target_recall) + 1e-9))
-    return float(scores[allowed_misses])
-
-
-def threshold_for_false_alarms(ok_scores: np.ndarray, max_rate: float) -> float:
-    """Smallest threshold t with false-alarm rate(score >= t) <= max_rate on these OK images."""
-    scores = np.sort(ok_scores)[::-1]
-    if len(scores) == 0:
-        raise ValueError("the validation split has no OK images: cannot choose a threshold")
-    allowed = int(np.floor(len(scores) * max_rate + 1e-9))  # OK images that may be flagged
-    return float(np.nextafter(scores[allowed], np.inf)) if allowed < len(scores) else 0.0
-
-
-def roc_auc(scores: np.ndarray, is_defect: np.ndarray) -> float:
-    """Probability that a defect image scores above an OK image (ties count half)."""
-    pos, neg = scores[is_defect], scores[~is_defect]
-    if not len(pos) or not len(neg):
-        return float("nan")
-    greater = (pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()
-    return float(greater / (len(pos) * len(neg)))
-
-
-def binary_metrics(defect_scores: np.ndarray, is_defect: np.ndarray, threshold: float) -> dict:
-    flagged = defect_scores >= threshold
-    n_def, n_ok = int(is_defect.sum()), int((~is_defect).sum())
-    return {
-        "defect_recall": float(flagged[is_defect].mean()) if n_def else float("nan"),
-        "false_alarm_rate": float(flagged[~is_defect].mean()) if n_ok else float("nan"),
-        "binary_accuracy": float((flagged == is_defect).mean()),
-    }
 
 
 def classification_metrics(probs: np.ndarray, labels: np.ndarray, classes: list[str]) -> tuple[dict, np.ndarray]:

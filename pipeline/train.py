@@ -6,7 +6,7 @@ itself is ``pipeline.loop.train_one_epoch``; checkpoint files are ``pipeline.che
 
 A checkpoint holds everything a resumed run needs to continue exactly where the killed one was:
 model, optimizer, LR schedule, loss scaler, EMA weights, epoch and step inside the epoch, each rank's
-RNG state and running sums, best val_loss, the early-stopping count, history, the MLflow run id and
+RNG state and running sums, the best monitored val score, the early-stopping count, history, the MLflow run id and
 a fingerprint of the params and data. Only rank 0 logs, writes files and talks to MLflow.
 """
 
@@ -33,6 +33,7 @@ from pipeline.augment import ImageDataset, build_policy
 from pipeline.config import ConfigError, Params, as_flat_dict
 from pipeline.distributed import Dist, unwrap
 from pipeline.loop import EMA, EpochBatches, EpochProgress, predict_logits, train_one_epoch
+from pipeline.metrics import binary_metrics, roc_auc, softmax, threshold_for_false_alarms
 from pipeline.model import DefectNet, create_model
 from pipeline.plots import curves_plot
 from pipeline.prepare import load_split, read_summary
@@ -58,7 +59,16 @@ def load_train_split(prepared_dir: Path) -> tuple[np.ndarray, np.ndarray]:
 
 # The code that shapes the weights: a checkpoint written by other code is not resumed (DVC reruns the
 # stage when this code changes, and a finished checkpoint would otherwise just be handed back).
-TRAINING_CODE = ["train.py", "loop.py", "model.py", "augment.py", "runtime.py", "distributed.py", "warmstart.py"]
+TRAINING_CODE = [
+    "train.py",
+    "loop.py",
+    "model.py",
+    "augment.py",
+    "runtime.py",
+    "distributed.py",
+    "warmstart.py",
+    "metrics.py",
+]
 
 
 def fingerprint(params: Params, prepared_dir: Path, init: str = "") -> str:
@@ -68,7 +78,9 @@ def fingerprint(params: Params, prepared_dir: Path, init: str = "") -> str:
     for name in TRAINING_CODE:
         h.update((Path(__file__).parent / name).read_bytes())
     train = {k: v for k, v in as_flat_dict(params.train).items() if k not in OPERATIONAL_KEYS}
-    for section in (as_flat_dict(params.model), train, as_flat_dict(params.augment), as_flat_dict(params.prepare)):
+    monitor = {"max_false_alarm_rate": params.evaluate.max_false_alarm_rate}  # what val_recall_at_far means
+    sections = (as_flat_dict(params.model), train, as_flat_dict(params.augment), as_flat_dict(params.prepare), monitor)
+    for section in sections:
         h.update(json.dumps(section, sort_keys=True, default=str).encode())
     for path in (prepared_dir / "train.npz", prepared_dir / "val.npz", prepared_dir.parent / "augmented/extra.npz"):
         if path.is_file():
@@ -94,11 +106,38 @@ def class_weights(labels: np.ndarray, num_classes: int) -> torch.Tensor:
 
 
 def evaluate_arrays(
-    model: nn.Module, images: np.ndarray, labels: np.ndarray, rt: Runtime, d: Dist, criterion: nn.Module
+    model: nn.Module,
+    images: np.ndarray,
+    labels: np.ndarray,
+    rt: Runtime,
+    d: Dist,
+    criterion: nn.Module,
+    ok_index: int,
+    max_false_alarm_rate: float,
 ) -> dict:
+    """Val loss and accuracy, plus the two figures the line cares about: ROC AUC of the defect score and
+    the defect recall at the threshold that flags ``max_false_alarm_rate`` of the val OK images."""
     logits = predict_logits(model, images, rt, d)
     loss = criterion(torch.from_numpy(logits), torch.from_numpy(labels)).item()
-    return {"val_loss": loss, "val_acc": float((logits.argmax(1) == labels).mean())}
+    scores = 1.0 - softmax(logits)[:, ok_index]
+    is_defect = labels != ok_index
+    row = {"val_loss": loss, "val_acc": float((logits.argmax(1) == labels).mean())}
+    row["val_auc"] = roc_auc(scores, is_defect)
+    if is_defect.any() and not is_defect.all():
+        threshold = threshold_for_false_alarms(scores[~is_defect], max_false_alarm_rate)
+        row["val_recall_at_far"] = binary_metrics(scores, is_defect, threshold)["defect_recall"]
+    else:
+        row["val_recall_at_far"] = float("nan")
+    return row
+
+
+def monitor_score(row: dict, monitor: str) -> list[float]:
+    """Higher is better. val_recall_at_far moves in steps of one val defect, so val_auc breaks its ties.
+    NaN (a val split without defects or without OK images) ranks lowest."""
+    key = {"val_loss": (-row["val_loss"], 0.0), "val_auc": (row["val_auc"], -row["val_loss"])}.get(
+        monitor, (row["val_recall_at_far"], row["val_auc"])
+    )
+    return [-math.inf if math.isnan(v) else float(v) for v in key]
 
 
 def full_model_state(model: nn.Module, d: Dist) -> dict[str, torch.Tensor]:
@@ -242,6 +281,7 @@ def _train(
     weight = class_weights(y_tr, len(classes)).to(rt.device) if cfg.class_weighting == "loss" else None
     criterion = nn.CrossEntropyLoss(weight=weight, label_smoothing=cfg.label_smoothing)
     eval_criterion = nn.CrossEntropyLoss()
+    ok_index, far = classes.index(info["ok_class"]), params.evaluate.max_false_alarm_rate
     torch.manual_seed(cfg.seed * 7919 + d.rank)  # this rank's dropout stream from here on
 
     fp = fingerprint(params, prepared_dir, init.identity if init else "")
@@ -249,10 +289,10 @@ def _train(
     state: dict[str, Any] = {
         "epoch": 0,  # epochs completed
         "global_step": 0,
-        "best": math.inf,  # best val_loss so far
+        "best": None,  # best monitor_score so far (higher is better)
         "bad_epochs": 0,  # epochs since it improved (early stopping)
         "stopped_early": False,
-        "best_models": [],  # [[val_loss, file name], ...] consolidated best models kept
+        "best_models": [],  # [[monitor score, file name], ...] consolidated best models kept, best first
         "history": [],
         "run_id": None,
     }
@@ -362,21 +402,22 @@ def _train(
             )
             distributed.average_batchnorm_stats(model, d)
             with ema.applied(model):  # validate (and keep) the averaged weights when EMA is on
-                row |= evaluate_arrays(model, x_va, y_va, rt, d, eval_criterion)
-                improved = row["val_loss"] < state["best"]
+                row |= evaluate_arrays(model, x_va, y_va, rt, d, eval_criterion, ok_index, far)
+                score = monitor_score(row, cfg.monitor)
+                improved = state["best"] is None or score > state["best"]
                 weights = full_model_state(model, d) if improved else None
             state["history"].append(row)
             state["epoch"], state["global_step"] = epoch + 1, start_step + steps
             if improved:
-                state["best"], state["bad_epochs"] = row["val_loss"], 0
+                state["best"], state["bad_epochs"] = score, 0
                 if d.is_main:
-                    best_meta = {**meta, "epoch": epoch + 1, "val_loss": row["val_loss"]}
-                    keep_best_model(weights, best_meta, state, cfg, store)
+                    best_meta = {**meta, "epoch": epoch + 1, "val_loss": row["val_loss"], cfg.monitor: row[cfg.monitor]}
+                    keep_best_model(weights, best_meta, score, state, cfg, store)
             else:
                 state["bad_epochs"] += 1
             if cfg.early_stopping_patience and state["bad_epochs"] >= cfg.early_stopping_patience:
                 state["stopped_early"] = True
-                log.info("early stop: val_loss has not improved for %d epochs", state["bad_epochs"])
+                log.info("early stop: %s has not improved for %d epochs", cfg.monitor, state["bad_epochs"])
             if d.is_main:
                 run.log_metrics({k: v for k, v in row.items() if k != "epoch"}, step=epoch + 1)
                 log.info("epoch %d: %s", epoch + 1, ", ".join(f"{k}={v:.4g}" for k, v in row.items() if k != "epoch"))
@@ -466,11 +507,13 @@ def resume(
     return found
 
 
-def keep_best_model(weights: dict, meta: dict, state: dict, cfg: Any, store: checkpoint.CheckpointDir) -> None:
-    """Write the consolidated model of this epoch and keep only the ``keep_best`` lowest val_loss ones."""
+def keep_best_model(
+    weights: dict, meta: dict, score: list[float], state: dict, cfg: Any, store: checkpoint.CheckpointDir
+) -> None:
+    """Write the consolidated model of this epoch and keep only the ``keep_best`` best-scoring ones."""
     name = f"best-epoch{meta['epoch']:03d}.pt"
     save_model(weights, meta, store.root / name)
-    ranked = sorted([*(b for b in state["best_models"] if b[1] != name), [meta["val_loss"], name]])
+    ranked = sorted([*(b for b in state["best_models"] if b[1] != name), [score, name]], reverse=True)
     for _, dropped in ranked[cfg.keep_best :]:
         (store.root / dropped).unlink(missing_ok=True)
     state["best_models"] = ranked[: cfg.keep_best]
@@ -502,9 +545,13 @@ def finish(
         w.writerows(state["history"])
     curves_plot(state["history"], ["train_loss", "val_loss"], "loss", reports_dir / "loss.png")
     curves_plot(state["history"], ["train_acc", "val_acc"], "accuracy", reports_dir / "accuracy.png")
+    defect_keys = ["val_auc", "val_recall_at_far"]
+    curves_plot(state["history"], defect_keys, "defect vs OK on val", reports_dir / "val_defect.png")
     summary = {
         "best_epoch": best["meta"]["epoch"],
         "best_val_loss": best["meta"]["val_loss"],
+        "monitor": cfg.monitor,
+        f"best_{cfg.monitor}": best["meta"][cfg.monitor],
         "epochs_run": state["epoch"],
         "stopped_early": state["stopped_early"],
         "steps": state["global_step"],

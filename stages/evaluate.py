@@ -6,8 +6,9 @@ from pathlib import Path
 
 from pipeline import tracking
 from pipeline.entry import run_stage
-from pipeline.evaluate import evaluate, log_to_mlflow, softmax
+from pipeline.evaluate import evaluate, log_to_mlflow
 from pipeline.heatmaps import heatmap_report
+from pipeline.metrics import softmax
 from pipeline.prepare import load_split
 from pipeline.runtime import resolve_runtime
 from pipeline.train import load_model, predict_logits

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from pipeline import tracking
 from pipeline.entry import run_stage
-from pipeline.evaluate import softmax
 from pipeline.export import ParityError, export_onnx
+from pipeline.metrics import softmax
 from pipeline.plots import variants_plot
 from pipeline.prepare import load_split, read_summary
 from pipeline.runtime import resolve_runtime

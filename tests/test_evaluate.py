@@ -6,7 +6,8 @@ import json
 
 import numpy as np
 
-from pipeline.evaluate import evaluate, roc_auc, threshold_for_false_alarms
+from pipeline.evaluate import evaluate
+from pipeline.metrics import roc_auc, threshold_for_false_alarms
 
 
 def test_false_alarm_threshold_flags_at_most_the_allowed_share_of_ok_images():

@@ -13,8 +13,8 @@ import torch
 import yaml
 
 from pipeline.config import params_from_dict
-from pipeline.evaluate import softmax
 from pipeline.export import export_onnx
+from pipeline.metrics import softmax
 from pipeline.model import DefectNet
 from pipeline.prepare import load_split
 from pipeline.runtime import resolve_runtime

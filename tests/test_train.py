@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import random
 import re
@@ -183,3 +184,24 @@ def test_early_stopping_ends_the_run_when_val_loss_stalls(prepared_project, tmp_
     # A finished (early-stopped) run is not trained again when the stage reruns.
     again = run_train(tmp_path, params(lr=0.0, epochs=6, early_stopping_patience=2))
     assert again.returncode == 0 and "epoch 4" not in again.stderr
+
+
+def test_monitor_keeps_the_epoch_with_the_best_val_defect_recall(prepared_project, tmp_path):
+    """train.monitor: val_recall_at_far keeps the epoch that catches most val defects at the allowed
+    false-alarm rate (AUC breaking ties), not the lowest val_loss, and says so in metrics.json."""
+    shutil.copytree(prepared_project, tmp_path, dirs_exist_ok=True)
+    proc = run_train(tmp_path, params(epochs=5, monitor="val_recall_at_far", keep_best=1, ema=0.0))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = list(csv.DictReader((tmp_path / "reports/train/history.csv").open()))
+    assert len(rows) == 5 and all(0.0 <= float(r["val_auc"]) <= 1.0 for r in rows)
+
+    def key(r: dict) -> tuple[float, float]:
+        return float(r["val_recall_at_far"]), float(r["val_auc"])
+
+    best = max(rows, key=key)  # max() returns the first of equals, as training keeps the first
+    metrics = json.loads((tmp_path / "reports/train/metrics.json").read_text())
+    assert metrics["monitor"] == "val_recall_at_far"
+    assert metrics["best_epoch"] == int(best["epoch"])
+    assert metrics["best_val_recall_at_far"] == pytest.approx(float(best["val_recall_at_far"]))
+    assert checkpoint.load(tmp_path / "models/train/model.pt")["meta"]["epoch"] == int(best["epoch"])
+    assert (tmp_path / "reports/train/val_defect.png").stat().st_size > 0
