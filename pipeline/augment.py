@@ -38,6 +38,9 @@ def _to_serialized(spec: dict[str, Any], where: str) -> dict[str, Any]:
     unknown = sorted(set(args) - accepted)
     if unknown:
         raise ConfigError(f"{where}: {name} has no argument {unknown[0]!r} (it takes: {', '.join(sorted(accepted))})")
+    params = inspect.signature(cls.__init__).parameters
+    if "p" in params and "p" not in args:  # A.from_dict would use 0.5, not the transform's own default
+        args["p"] = params["p"].default
     if "transforms" in args:
         args["transforms"] = [_to_serialized(t, f"{where}.transforms[{i}]") for i, t in enumerate(args["transforms"])]
     return {"__class_fullname__": name, **args}
@@ -59,6 +62,14 @@ def save_policy(compose: A.Compose, path: Path) -> None:
     A.save(compose, str(path), data_format="json")
 
 
+def apply_policy(policy: A.Compose, img: np.ndarray) -> np.ndarray:
+    """The policy on one (H, W, C) image, keeping the channel axis (albumentations drops it for one
+    channel). A crop in the policy makes H and W smaller: training on tiles of the prepared image while
+    evaluation and the runner score the whole image (with ``model.global_pool: max``, the max over tiles)."""
+    out = policy(image=img)["image"]
+    return out.reshape(*out.shape[:2], img.shape[2])
+
+
 class ImageDataset(Dataset):
     """Packed (N, H, W, C) uint8 images with labels; applies the policy on the fly (training only).
 
@@ -78,7 +89,7 @@ class ImageDataset(Dataset):
         if self.transform is not None:
             if seed is not None:
                 self.transform.set_random_seed(seed)
-            img = self.transform(image=img)["image"].reshape(img.shape)  # keep the (H, W, C) layout
+            img = apply_policy(self.transform, img)
         return torch.from_numpy(np.ascontiguousarray(img)), int(self.labels[i])
 
 
@@ -99,7 +110,13 @@ def balance_copies(
         for k in range(max(0, target - n) if n else 0):
             i = members[k % n]
             policy.set_random_seed((seed * 1_000_003 + c * 100_003 + k) % 2**31)
-            out.append(policy(image=images[i])["image"].reshape(images[i].shape))
+            copy = apply_policy(policy, images[i])
+            if copy.shape != images[i].shape:
+                raise ConfigError(
+                    f"augment.balance: the policy turns a {images[i].shape} image into {copy.shape}; balancing "
+                    "copies join the training images and must keep their size (a cropping policy needs balance 0)"
+                )
+            out.append(copy)
             out_labels.append(c)
             sources.append(i)
     shape = (0, *images.shape[1:])
@@ -123,6 +140,6 @@ def preview(policy: A.Compose, prepared_dir: Path, per_class: int, path: Path) -
         if len(idx) == 0:
             continue
         original = images[idx[0]]
-        rows.append([original] + [policy(image=original)["image"].reshape(original.shape) for _ in range(per_class)])
+        rows.append([original] + [apply_policy(policy, original) for _ in range(per_class)])
         titles.append(c)
     image_grid(rows, titles, path, col_titles=["original"] + [f"augmented {k + 1}" for k in range(per_class)])

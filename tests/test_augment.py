@@ -8,7 +8,7 @@ import albumentations as A
 import numpy as np
 import pytest
 
-from pipeline.augment import build_policy, save_policy
+from pipeline.augment import ImageDataset, apply_policy, balance_copies, build_policy, save_policy
 from pipeline.config import ConfigError
 from tests.conftest import load_default_params
 
@@ -47,3 +47,28 @@ def test_a_wrong_transform_is_a_clear_error(policy, message):
     with pytest.raises(ConfigError) as exc:
         build_policy(policy)
     assert message in str(exc.value)
+
+
+def test_a_transform_without_p_keeps_its_own_default():
+    """albumentations' deserializer would make every transform without `p` a coin flip (0.5); a crop
+    written without `p` must crop every image, as the transform's own default (1.0) says."""
+    compose = build_policy([{"name": "RandomCrop", "height": 16, "width": 24}, {"name": "GaussianBlur"}], seed=0)
+    assert [t.p for t in compose.transforms] == [1.0, 0.5]
+    img = np.zeros((32, 48, 3), np.uint8)
+    assert {apply_policy(compose, img).shape for _ in range(20)} == {(16, 24, 3)}
+
+
+def test_a_cropping_policy_trains_on_tiles_and_keeps_the_channel_axis():
+    images = np.random.default_rng(0).integers(0, 255, (4, 32, 32, 1), np.uint8)
+    crop = build_policy([{"name": "RandomCrop", "height": 16, "width": 16}])
+    data = ImageDataset(images, np.array([0, 1, 0, 1]), crop)
+    img, label = data[(1, 7)]
+    assert tuple(img.shape) == (16, 16, 1) and label == 1
+
+
+def test_balancing_copies_refuse_a_policy_that_changes_the_image_size():
+    images = np.zeros((6, 32, 32, 3), np.uint8)
+    crop = build_policy([{"name": "RandomCrop", "height": 16, "width": 16}])
+    message = r"augment.balance: the policy turns a \(32, 32, 3\) image into \(16, 16, 3\)"
+    with pytest.raises(ConfigError, match=message):
+        balance_copies(images, np.array([0, 0, 0, 0, 0, 1]), crop, balance=1.0, seed=0)
