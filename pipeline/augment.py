@@ -34,11 +34,11 @@ def _to_serialized(spec: dict[str, Any], where: str) -> dict[str, Any]:
     cls = getattr(A, str(name), None)
     if not (isinstance(cls, type) and issubclass(cls, A.BasicTransform | A.BaseCompose)):
         raise ConfigError(f"{where}: {name!r} is not an albumentations transform")
-    accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "args", "kwargs"}
+    params = inspect.signature(cls.__init__).parameters
+    accepted = set(params) - {"self", "args", "kwargs"}
     unknown = sorted(set(args) - accepted)
     if unknown:
         raise ConfigError(f"{where}: {name} has no argument {unknown[0]!r} (it takes: {', '.join(sorted(accepted))})")
-    params = inspect.signature(cls.__init__).parameters
     if "p" in params and "p" not in args:  # A.from_dict would use 0.5, not the transform's own default
         args["p"] = params["p"].default
     if "transforms" in args:
