@@ -102,6 +102,7 @@ class TrainConfig:
     num_workers: int
     threads: int  # torch intra-op threads on CPU; 0 = torch's default
     seed: int
+    ensemble: int  # members trained with seeds seed, seed+1, ...; the model is the mean of their probabilities
     init_from: str  # none, champion (the registry's champion weights) or the path of a model.pt
 
 
@@ -283,6 +284,8 @@ def _check_values(p: Params) -> None:
         problems.append("train.epochs and train.batch_size must be at least 1")
     if t.processes < 1:
         problems.append(f"train.processes: must be at least 1, got {t.processes}")
+    if t.ensemble < 1:
+        problems.append(f"train.ensemble: must be at least 1 (1 = a single model), got {t.ensemble}")
     if t.processes > 1 and t.distributed == "none":
         problems.append("train.processes: more than 1 process needs train.distributed: ddp or fsdp")
     if not 0 <= t.ema < 1:

@@ -44,6 +44,25 @@ class DefectNet(nn.Module):
         return self.backbone((x - self.mean) * self.inv_std)
 
 
+class Ensemble(nn.Module):
+    """Members trained alike but for their seed, as one network: the mean of their class probabilities,
+    returned as its log (logits whose softmax is that mean), so evaluation, export and the runner treat
+    it like a single model. Measured on the magnetic tiles: see README (``train.ensemble``)."""
+
+    def __init__(self, members: list[DefectNet]) -> None:
+        super().__init__()
+        self.members = nn.ModuleList(members)
+
+    @property
+    def backbone(self) -> nn.Module:
+        """The first member's backbone: Grad-CAM shows where that member looks."""
+        return self.members[0].backbone
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.stack([m(x).float().softmax(dim=1) for m in self.members]).mean(dim=0)
+        return probs.clamp_min(1e-12).log()
+
+
 class ExportHead(nn.Module):
     """What the ONNX graph computes: probabilities (N, K) and defect score (N,) = 1 - p(ok)."""
 

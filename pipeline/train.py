@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import dataclasses
 import hashlib
 import json
 import logging
@@ -34,7 +35,7 @@ from pipeline.config import ConfigError, Params, as_flat_dict
 from pipeline.distributed import Dist, unwrap
 from pipeline.loop import EMA, EpochBatches, EpochProgress, predict_logits, train_one_epoch
 from pipeline.metrics import binary_metrics, roc_auc, softmax, threshold_for_false_alarms
-from pipeline.model import DefectNet, create_model
+from pipeline.model import DefectNet, Ensemble, create_model
 from pipeline.plots import curves_plot
 from pipeline.prepare import load_split, read_summary
 from pipeline.runtime import Runtime, resolve_runtime
@@ -154,7 +155,7 @@ def save_model(state: dict[str, torch.Tensor], meta: dict, path: Path) -> None:
     checkpoint.save_atomic({"version": checkpoint.CHECKPOINT_VERSION, "model": state, "meta": meta}, path)
 
 
-def load_model(path: Path) -> tuple[DefectNet, dict]:
+def load_model(path: Path) -> tuple[DefectNet | Ensemble, dict]:
     """The consolidated model and its meta; everything needed to rebuild it is in the file itself."""
     from pipeline.config import ModelConfig
 
@@ -169,7 +170,11 @@ def load_model(path: Path) -> tuple[DefectNet, dict]:
         global_pool=meta["global_pool"],
         input_norm=meta["input_norm"],
     )
-    net = create_model(cfg, len(meta["classes"]), meta["channels"])
+    members = meta.get("members", 1)
+    if members == 1:
+        net: nn.Module = create_model(cfg, len(meta["classes"]), meta["channels"])
+    else:
+        net = Ensemble([create_model(cfg, len(meta["classes"]), meta["channels"]) for _ in range(members)])
     net.load_state_dict(ckpt["model"])
     return net.eval(), meta
 
@@ -241,9 +246,103 @@ def train(
     if not d.is_main:
         logging.getLogger().setLevel(logging.WARNING)
     try:
-        return _train(params, prepared_dir, out_dir, reports_dir, data_reports, rt, d)
+        if cfg.ensemble == 1:
+            return _train(params, prepared_dir, out_dir, reports_dir, data_reports, rt, d)
+        return _train_ensemble(params, prepared_dir, out_dir, reports_dir, data_reports, rt, d)
     finally:
         d.close()
+
+
+def _train_ensemble(
+    params: Params,
+    prepared_dir: Path,
+    out_dir: Path,
+    reports_dir: Path,
+    data_reports: Path | None,
+    rt: Runtime,
+    d: Dist,
+) -> dict | None:
+    """``train.ensemble`` members one after the other, each a whole training run of its own (seed
+    ``train.seed + k``; checkpoints, model, curves and MLflow run under ``checkpoints/member-k``), so a
+    killed run resumes inside the member it was in and finished members are not trained again. Then
+    ``model.pt`` holds them all (an ``Ensemble``), and ``run.json`` names the ensemble's MLflow run, into
+    which the later stages log as they do for a single model."""
+    cfg = params.train
+    members = []
+    for k in range(cfg.ensemble):
+        member = dataclasses.replace(params, train=dataclasses.replace(cfg, seed=cfg.seed + k, ensemble=1))
+        where = out_dir / "checkpoints" / f"member-{k}"
+        log.info("ensemble member %d of %d (train.seed %d)", k + 1, cfg.ensemble, cfg.seed + k)
+        members.append((where, _train(member, prepared_dir, where, where / "reports", data_reports, rt, d)))
+    if not d.is_main:
+        return None
+    states, metas = [], []
+    for where, _ in members:
+        ckpt = checkpoint.load(where / "model.pt")
+        if ckpt is None:
+            raise FileNotFoundError(f"{where / 'model.pt'}: an ensemble member's model is unreadable; delete {where}")
+        states.append(ckpt["model"])
+        metas.append(ckpt["meta"])
+    fp = hashlib.sha256("".join(m["fingerprint"] for m in metas).encode()).hexdigest()
+    meta = {
+        **metas[0],
+        "fingerprint": fp,
+        "members": len(metas),
+        "member_seeds": [cfg.seed + k for k in range(len(metas))],
+        "member_epochs": [m["epoch"] for m in metas],
+    }
+    state = {f"members.{k}.{name}": v for k, s in enumerate(states) for name, v in s.items()}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_model(state, meta, out_dir / "model.pt")
+    net, _ = load_model(out_dir / "model.pt")
+    info = read_summary(prepared_dir)
+    x_va, y_va, _ = load_split(prepared_dir, "val")
+    ok_index = info["classes"].index(info["ok_class"])
+    val = evaluate_arrays(
+        net, x_va, y_va, rt, Dist("none"), nn.CrossEntropyLoss(), ok_index, params.evaluate.max_false_alarm_rate
+    )
+    reports_dir.mkdir(parents=True, exist_ok=True)
+    first = members[0][0] / "reports"
+    for name in ("history.csv", "loss.png", "accuracy.png", "val_defect.png"):  # the curves of member 0
+        shutil.copyfile(first / name, reports_dir / name)
+    summary = {
+        "ensemble": len(metas),
+        **{k: float(v) for k, v in val.items()},
+        "steps": sum(s["steps"] for _, s in members),
+        "train_images": members[0][1]["train_images"],
+        "train_img_s": float(np.median([s["train_img_s"] for _, s in members])),
+        "device": str(rt.device),
+        "precision": rt.precision,
+        "members": [s for _, s in members],
+    }
+    (reports_dir / "metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
+    run_ids = [json.loads((where / "run.json").read_text())["run_id"] for where, _ in members]
+    known = out_dir / "checkpoints" / "ensemble-run.json"  # the same members again: the same run
+    previous = json.loads(known.read_text()) if known.is_file() else {}
+    tags = {**tracking.git_info(), **tracking.lineage_tags(), "data.fingerprint": fp, "stage": "train"}
+    tags |= {f"member_{k}.run_id": r for k, r in enumerate(run_ids)}
+    name = f"{params.model.name}-{info['image_size']}px-ensemble{len(metas)}-{fp[:8]}"
+    if os.environ.get("DVC_EXP_NAME"):  # as for a single model: the experiment's name first
+        name = f"{os.environ['DVC_EXP_NAME']}-{name}"
+    run_id = previous.get("run_id") if previous.get("fingerprint") == fp else None
+    with tracking.open_run(params.mlflow, run_id, name, tags) as run:
+        if run.new:
+            run.log_params({k: v for k, v in as_flat_dict(params).items() if k != "source_file"})
+            log_data_reports(run, data_reports)
+        run.log_metrics({k: v for k, v in summary.items() if isinstance(v, float | int)})
+        run.log_artifacts(reports_dir, "train")
+        run.log_artifacts(out_dir / "model.pt", "model")
+        run_file = {"run_id": run.run_id, "fingerprint": fp}
+    known.write_text(json.dumps(run_file) + "\n")
+    (out_dir / "run.json").write_text(json.dumps(run_file) + "\n")
+    log.info(
+        "ensemble of %d: val AUC %.3f, val recall at %.0f%% false alarms %.3f",
+        len(metas),
+        val["val_auc"],
+        100 * params.evaluate.max_false_alarm_rate,
+        val["val_recall_at_far"],
+    )
+    return summary
 
 
 def _train(

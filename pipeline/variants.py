@@ -75,7 +75,11 @@ def make_int8(fp32_path: Path, out: Path, calibration: np.ndarray, cfg: ExportCo
 
     with tempfile.TemporaryDirectory() as tmp:
         pre = Path(tmp) / "pre.onnx"
-        quant_pre_process(str(fp32_path), str(pre))  # shape inference + graph optimizations first
+        try:  # shape inference + graph optimizations first
+            quant_pre_process(str(fp32_path), str(pre))
+        except Exception as exc:  # onnxruntime's symbolic shape inference gives up on some graphs (ensembles)
+            log.warning("int8: symbolic shape inference failed (%s); quantizing with ONNX shape inference only", exc)
+            quant_pre_process(str(fp32_path), str(pre), skip_symbolic_shape=True)
         quantize_static(
             str(pre),
             str(out),

@@ -45,8 +45,11 @@ class WarmStart:
                 f"train.init_from: {self.identity} is a {ckpt['meta']['architecture']} model, but model.name is "
                 f"{architecture}; use train.init_from: none to change the architecture"
             )
-        own = model.state_dict()
-        usable = {k: v for k, v in ckpt["model"].items() if k in own and own[k].shape == v.shape}
+        own, weights = model.state_dict(), ckpt["model"]
+        if ckpt["meta"].get("members", 1) > 1:  # an ensemble (train.ensemble): start from its first member
+            weights = {k.removeprefix("members.0."): v for k, v in weights.items() if k.startswith("members.0.")}
+            log.info("warm start from the first of the %d members of %s", ckpt["meta"]["members"], self.identity)
+        usable = {k: v for k, v in weights.items() if k in own and own[k].shape == v.shape}
         fresh = sorted(k for k in own if k not in usable)
         model.load_state_dict(usable, strict=False)
         log.info(

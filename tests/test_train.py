@@ -205,3 +205,44 @@ def test_monitor_keeps_the_epoch_with_the_best_val_defect_recall(prepared_projec
     assert metrics["best_val_recall_at_far"] == pytest.approx(float(best["val_recall_at_far"]))
     assert checkpoint.load(tmp_path / "models/train/model.pt")["meta"]["epoch"] == int(best["epoch"])
     assert (tmp_path / "reports/train/val_defect.png").stat().st_size > 0
+
+
+def test_ensemble_is_the_mean_of_its_members_and_resumes_member_by_member(prepared_project, tmp_path):
+    """train.ensemble: 2 trains seeds 0 and 1 as two whole runs; model.pt scores the mean of their
+    probabilities; member 0 is exactly the single model of seed 0; a rerun trains nothing again; evaluate
+    and export (with its parity gate) take the ensemble like one model."""
+    from pipeline.metrics import softmax
+    from pipeline.prepare import load_split
+    from pipeline.train import load_model
+    from tests.conftest import run_stages_in
+
+    shutil.copytree(prepared_project, tmp_path, dirs_exist_ok=True)
+    p = params(ensemble=2, ema=0.0)
+    proc = run_train(tmp_path, p)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    net, meta = load_model(tmp_path / "models/train/model.pt")
+    assert meta["members"] == 2 and meta["member_seeds"] == [0, 1]
+    members = [load_model(ckpt_dir(tmp_path) / f"member-{k}/model.pt")[0] for k in range(2)]
+    assert not same_weights(members[0].state_dict(), members[1].state_dict())
+    x = torch.from_numpy(load_split(tmp_path / "data/prepared", "test")[0])
+    with torch.no_grad():
+        mean = (softmax(members[0](x).numpy()) + softmax(members[1](x).numpy())) / 2
+        assert abs(softmax(net(x).numpy()) - mean).max() < 1e-5
+    metrics = json.loads((tmp_path / "reports/train/metrics.json").read_text())
+    assert metrics["ensemble"] == 2 and len(metrics["members"]) == 2 and 0.0 <= metrics["val_auc"] <= 1.0
+    assert (tmp_path / "reports/train/val_defect.png").is_file()
+
+    single = tmp_path / "single"
+    shutil.copytree(prepared_project, single)
+    assert run_train(single, params(ema=0.0)).returncode == 0
+    assert same_weights(members[0].state_dict(), model_weights(single))
+
+    before = model_weights(tmp_path)
+    again = run_train(tmp_path, p)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stderr.count("resuming from") == 2 and "epoch 1/" not in again.stderr
+    assert same_weights(before, model_weights(tmp_path))
+
+    run_stages_in(tmp_path, p, ["evaluate", "export"])
+    fp32 = json.loads((tmp_path / "reports/export/parity.json").read_text())["fp32"]
+    assert fp32["prob_max_abs_diff"] <= p["export"]["max_abs_diff"] and fp32["decision_flips"] == 0
