@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -319,16 +320,10 @@ def _train_ensemble(
     run_ids = [json.loads((where / "run.json").read_text())["run_id"] for where, _ in members]
     known = out_dir / "checkpoints" / "ensemble-run.json"  # the same members again: the same run
     previous = json.loads(known.read_text()) if known.is_file() else {}
-    tags = {**tracking.git_info(), **tracking.lineage_tags(), "data.fingerprint": fp, "stage": "train"}
-    tags |= {f"member_{k}.run_id": r for k, r in enumerate(run_ids)}
-    name = f"{params.model.name}-{info['image_size']}px-ensemble{len(metas)}-{fp[:8]}"
-    if os.environ.get("DVC_EXP_NAME"):  # as for a single model: the experiment's name first
-        name = f"{os.environ['DVC_EXP_NAME']}-{name}"
+    tags = {f"member_{k}.run_id": r for k, r in enumerate(run_ids)}
     run_id = previous.get("run_id") if previous.get("fingerprint") == fp else None
-    with tracking.open_run(params.mlflow, run_id, name, tags) as run:
-        if run.new:
-            run.log_params({k: v for k, v in as_flat_dict(params).items() if k != "source_file"})
-            log_data_reports(run, data_reports)
+    label = f"{info['image_size']}px-ensemble{len(metas)}"
+    with open_train_run(params, run_id, label, fp, tags, data_reports) as run:
         run.log_metrics({k: v for k, v in summary.items() if isinstance(v, float | int)})
         run.log_artifacts(reports_dir, "train")
         run.log_artifacts(out_dir / "model.pt", "model")
@@ -446,18 +441,11 @@ def _train(
         "ema": cfg.ema,
         "init_from": init.identity if init else "",
     }
-    run_name = f"{params.model.name}-{info['image_size']}px-{fp[:8]}"
-    if os.environ.get("DVC_EXP_NAME"):  # `dvc exp run`: the experiment's name first, so runs tell apart
-        run_name = f"{os.environ['DVC_EXP_NAME']}-{run_name}"
-    tags = {**tracking.git_info(), **tracking.lineage_tags(), "data.fingerprint": fp, "stage": "train"}
-    if init is not None:
-        tags |= {"init_from": init.identity, "init_from.run_id": init.run_id}
-    run_ctx = tracking.open_run(params.mlflow, state["run_id"], run_name, tags) if d.is_main else None
+    tags = {"init_from": init.identity, "init_from.run_id": init.run_id} if init is not None else {}
+    label = f"{info['image_size']}px"
+    run_ctx = open_train_run(params, state["run_id"], label, fp, tags, data_reports) if d.is_main else None
     with run_ctx or contextlib.nullcontext() as run:
         if d.is_main:
-            if run.new:  # a new run (also when the old one is gone): what it was made from
-                run.log_params({k: v for k, v in as_flat_dict(params).items() if k != "source_file"})
-                log_data_reports(run, data_reports)
             state["run_id"] = run.run_id
         log.info(
             "training %s on %d images (%s, %s, %d process%s) for %d epochs of %d steps; MLflow run %s",
@@ -525,6 +513,24 @@ def _train(
         if not d.is_main:
             return None
         return finish(run, state, cfg, store.root, out_dir, reports_dir, rt, steps, len(y_tr))
+
+
+@contextlib.contextmanager
+def open_train_run(
+    params: Params, run_id: str | None, label: str, fp: str, tags: dict, data_reports: Path | None
+) -> Iterator[tracking.Run]:
+    """The train stage's MLflow run, continued when ``run_id`` still exists: named
+    ``<model>-<label>-<fingerprint>`` (after the experiment's name under ``dvc exp run``, so runs tell
+    apart); a new run (also when the old one is gone) records what it was made from."""
+    name = f"{params.model.name}-{label}-{fp[:8]}"
+    if os.environ.get("DVC_EXP_NAME"):
+        name = f"{os.environ['DVC_EXP_NAME']}-{name}"
+    tags = {**tracking.git_info(), **tracking.lineage_tags(), "data.fingerprint": fp, "stage": "train", **tags}
+    with tracking.open_run(params.mlflow, run_id, name, tags) as run:
+        if run.new:
+            run.log_params({k: v for k, v in as_flat_dict(params).items() if k != "source_file"})
+            log_data_reports(run, data_reports)
+        yield run
 
 
 def log_data_reports(run: tracking.Run, folder: Path | None) -> None:
