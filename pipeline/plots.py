@@ -41,12 +41,27 @@ def confusion_matrix_plot(cm: np.ndarray, classes: list[str], title: str, path: 
 
 def curves_plot(history: list[dict], keys: list[str], title: str, path: Path) -> None:
     """One line per key over epochs; ``history`` rows are the per-epoch dicts of the train stage."""
+    members_curves_plot([history], keys, title, path)
+
+
+def members_curves_plot(
+    histories: list[list[dict]], keys: list[str], title: str, path: Path, final: dict[str, float] | None = None
+) -> None:
+    """The curves of several runs in one plot (an ensemble's members): a colour per key, a line style per
+    run; ``final`` values (the ensemble's own) are drawn as dashed horizontal lines in the key's colour."""
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    epochs = [row["epoch"] for row in history]
-    for k in keys:
-        ax.plot(epochs, [row[k] for row in history], marker="o", label=k)
+    styles = ["-", "--", ":", "-."]
+    for i, k in enumerate(keys):
+        colour = f"C{i}"
+        for m, history in enumerate(histories):
+            label = k if len(histories) == 1 else f"{k}, member {m}"
+            epochs = [row["epoch"] for row in history]
+            ax.plot(epochs, [row[k] for row in history], styles[m % len(styles)], color=colour, marker="o",
+                    markersize=3 if len(histories) > 1 else None, label=label)  # fmt: skip
+        if final and k in final:
+            ax.axhline(final[k], color=colour, linewidth=2.5, alpha=0.5, label=f"{k}, ensemble")
     ax.set_xlabel("epoch")
-    ax.legend()
+    ax.legend(fontsize=7 if len(histories) > 1 else None)
     ax.set_title(title)
     ax.grid(alpha=0.3)
     fig.tight_layout()

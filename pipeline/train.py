@@ -37,12 +37,26 @@ from pipeline.distributed import Dist, unwrap
 from pipeline.loop import EMA, EpochBatches, EpochProgress, predict_logits, train_one_epoch
 from pipeline.metrics import binary_metrics, roc_auc, softmax, threshold_for_false_alarms
 from pipeline.model import DefectNet, Ensemble, create_model
-from pipeline.plots import curves_plot
+from pipeline.plots import curves_plot, members_curves_plot
 from pipeline.prepare import load_split, read_summary
 from pipeline.runtime import Runtime, resolve_runtime
 from pipeline.warmstart import WarmStart, resolve_init
 
 log = logging.getLogger(__name__)
+
+# The curves every training run draws from its per-epoch history: (keys, title, file).
+CURVES = [
+    (["train_loss", "val_loss"], "loss", "loss.png"),
+    (["train_acc", "val_acc"], "accuracy", "accuracy.png"),
+    (["val_auc", "val_recall_at_far"], "defect vs OK on val", "val_defect.png"),
+]
+
+
+def read_history(path: Path) -> list[dict]:
+    """A run's history.csv back as per-epoch dicts of numbers."""
+    with open(path, newline="") as f:
+        return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
 
 # train.* keys that change how a run is carried out, not the weights it ends with.
 OPERATIONAL_KEYS = {"keep_last", "keep_best", "on_mismatch", "num_workers", "threads", "checkpoint_every_steps"}
@@ -303,9 +317,12 @@ def _train_ensemble(
         net, x_va, y_va, rt, Dist("none"), nn.CrossEntropyLoss(), ok_index, params.evaluate.max_false_alarm_rate
     )
     reports_dir.mkdir(parents=True, exist_ok=True)
-    first = members[0][0] / "reports"
-    for name in ("history.csv", "loss.png", "accuracy.png", "val_defect.png"):  # the curves of member 0
-        shutil.copyfile(first / name, reports_dir / name)
+    # history.csv is member 0's (one row per epoch, as DVC plots expects); the PNGs show every member,
+    # and the ensemble's own val figures beside theirs.
+    shutil.copyfile(members[0][0] / "reports/history.csv", reports_dir / "history.csv")
+    histories = [read_history(where / "reports/history.csv") for where, _ in members]
+    for keys, title, name in CURVES:
+        members_curves_plot(histories, keys, title, reports_dir / name, final=val)
     summary = {
         "ensemble": len(metas),
         **{k: float(v) for k, v in val.items()},
@@ -648,10 +665,8 @@ def finish(
         w = csv.DictWriter(f, list(state["history"][0]))
         w.writeheader()
         w.writerows(state["history"])
-    curves_plot(state["history"], ["train_loss", "val_loss"], "loss", reports_dir / "loss.png")
-    curves_plot(state["history"], ["train_acc", "val_acc"], "accuracy", reports_dir / "accuracy.png")
-    defect_keys = ["val_auc", "val_recall_at_far"]
-    curves_plot(state["history"], defect_keys, "defect vs OK on val", reports_dir / "val_defect.png")
+    for keys, title, name in CURVES:
+        curves_plot(state["history"], keys, title, reports_dir / name)
     summary = {
         "best_epoch": best["meta"]["epoch"],
         "best_val_loss": best["meta"]["val_loss"],

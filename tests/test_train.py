@@ -230,7 +230,9 @@ def test_ensemble_is_the_mean_of_its_members_and_resumes_member_by_member(prepar
         assert abs(softmax(net(x).numpy()) - mean).max() < 1e-5
     metrics = json.loads((tmp_path / "reports/train/metrics.json").read_text())
     assert metrics["ensemble"] == 2 and len(metrics["members"]) == 2 and 0.0 <= metrics["val_auc"] <= 1.0
-    assert (tmp_path / "reports/train/val_defect.png").is_file()
+    for plot in ("loss.png", "val_defect.png"):  # every member's curves (and the ensemble's), not member 0's
+        member0 = (ckpt_dir(tmp_path) / "member-0/reports" / plot).read_bytes()
+        assert (tmp_path / "reports/train" / plot).read_bytes() != member0, plot
 
     single = tmp_path / "single"
     shutil.copytree(prepared_project, single)
