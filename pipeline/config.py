@@ -22,6 +22,12 @@ class ConfigError(ValueError):
     """A problem in params.yaml; the message names the key."""
 
 
+class StageError(RuntimeError):
+    """A stage's own check failed (a data gate, the export parity): the message says which figure and
+    why; the stage exits 2 with that line, no traceback. Defined here, beside ConfigError, so every
+    stage can catch it without importing the heavy module that raises it."""
+
+
 @dataclass(frozen=True)
 class SyntheticConfig:
     counts: dict[str, int]  # images per class; "ok" plus any of scratch, spot, crack

@@ -7,7 +7,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from pipeline.config import ConfigError, Params, load_params
+from pipeline.config import ConfigError, Params, StageError, load_params
 
 
 def run_stage(name: str, main: Callable[[Params], object]) -> None:
@@ -16,11 +16,8 @@ def run_stage(name: str, main: Callable[[Params], object]) -> None:
     )
     for noisy in ("alembic", "mlflow.store", "urllib3", "matplotlib", "PIL", "git"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    from pipeline.export import ParityError
-    from pipeline.validate import GateError
-
     try:
         main(load_params(os.environ.get("PARAMS_FILE", "params.yaml")))
-    except (ConfigError, GateError, ParityError, FloatingPointError) as exc:
+    except (ConfigError, StageError, FloatingPointError) as exc:
         print(f"\n{name}: error: {exc}", file=sys.stderr)
         sys.exit(2)

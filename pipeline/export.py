@@ -14,13 +14,14 @@ from pathlib import Path
 import onnx
 import torch
 
+from pipeline.config import StageError
 from pipeline.model import DefectNet, ExportHead
 from serving.card import ModelCard
 
 log = logging.getLogger(__name__)
 
 
-class ParityError(RuntimeError):
+class ParityError(StageError):
     """The exported model scores differently from the trained one."""
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from pipeline.config import ValidateConfig
+from pipeline.config import StageError, ValidateConfig
 from pipeline.ingest import IMAGE_EXTENSIONS
 from serving.preprocess import ImageDecodeError, decode_image
 
@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 MANIFEST_FIELDS = ["path", "label", "sha256", "dhash", "group", "width", "height", "mode"]
 
 
-class GateError(RuntimeError):
+class GateError(StageError):
     """The dataset crossed a validation threshold; the message names the figure and the worst files."""
 
 
