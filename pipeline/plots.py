@@ -48,7 +48,7 @@ def members_curves_plot(
     histories: list[list[dict]], keys: list[str], title: str, path: Path, final: dict[str, float] | None = None
 ) -> None:
     """The curves of several runs in one plot (an ensemble's members): a colour per key, a line style per
-    run; ``final`` values (the ensemble's own) are drawn as dashed horizontal lines in the key's colour."""
+    run; ``final`` values (the ensemble's own) are drawn as thick pale horizontal lines in the key's colour."""
     fig, ax = plt.subplots(figsize=(6, 3.5))
     styles = ["-", "--", ":", "-."]
     for i, k in enumerate(keys):
