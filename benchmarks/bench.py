@@ -405,7 +405,8 @@ def markdown() -> str:
         lines.append("")
     tr = load("training")
     if tr:
-        lines += ["## Training loop (tf_efficientnet_lite0, batch 32, fp32; ratio vs the plain loop)", ""]
+        model = tr["setup"].get("model", "the default model")
+        lines += [f"## Training loop ({model}, batch 32, fp32; ratio vs the plain loop)", ""]
         lines += ["| contender | img/s | ratio | rounds |", "|---|---|---|---|"]
         for r in tr["results"]:
             lines.append(f"| {r['name']} | {r['img_s']} | {r['ratio']} | {r['rounds']} |")

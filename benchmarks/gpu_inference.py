@@ -7,7 +7,7 @@ machine's onnxruntime has them) at batch 1 and 256, side by side in one process.
 Needs only torch, timm, numpy and (for the onnxruntime rows) onnxruntime-gpu: the GPU check script
 runs it with the GPU machine's own python3. Anchor printed beside the figures: about 9,000 img/s for
 EfficientNet-B0 inference at batch 1024 on an RTX 4090 (timm's published benchmark table); our default
-tf_efficientnet_lite0 is a lighter network than B0.
+tf_efficientnetv2_b0 has more FLOPs than B0 but plain (fused) convolutions in its early stages.
 """
 
 from __future__ import annotations

@@ -35,7 +35,15 @@ from pipeline.loop import EMA, EpochProgress, train_one_epoch  # noqa: E402
 from pipeline.model import create_model  # noqa: E402
 from pipeline.runtime import resolve_runtime  # noqa: E402
 
-DEFAULT_MODEL = "tf_efficientnet_lite0"
+
+def _default_model() -> str:
+    """``model.name`` of the project's params.yaml (timm brings PyYAML, so a bare GPU box has it too)."""
+    import yaml
+
+    return yaml.safe_load((Path(__file__).resolve().parents[1] / "params.yaml").read_text())["model"]["name"]
+
+
+DEFAULT_MODEL = _default_model()
 
 
 def make_model(name: str, device: torch.device, channels_last: bool, num_classes: int = 4) -> nn.Module:

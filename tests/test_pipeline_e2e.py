@@ -110,7 +110,7 @@ def test_one_mlflow_run_holds_every_stage(repro: Path):
     assert "export_fp32_prob_max_abs_diff" in run.data.metrics and "export_int8_defect_recall" in run.data.metrics
     assert "bench_b1_speedup_fp32" in run.data.metrics and "data_accepted" in run.data.metrics
     assert run.data.tags["export.recommended.cuda"] in ("fp16", "fp32")
-    assert run.data.params["model.name"] == "tf_efficientnet_lite0"
+    assert run.data.params["model.name"] == yaml.safe_load((repro / "params.yaml").read_text())["model"]["name"]
     assert run.data.tags["git.commit"]
     assert run.data.tags["promote.decision"] == "champion"  # the first model
     assert "test_pointing_game" in run.data.metrics and "dvc.prepare.data/prepared" in run.data.tags
