@@ -29,21 +29,13 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.config import ModelConfig  # noqa: E402
+from pipeline.config import ModelConfig, load_params  # noqa: E402
 from pipeline.distributed import Dist  # noqa: E402
 from pipeline.loop import EMA, EpochProgress, train_one_epoch  # noqa: E402
 from pipeline.model import create_model  # noqa: E402
 from pipeline.runtime import resolve_runtime  # noqa: E402
 
-
-def _default_model() -> str:
-    """``model.name`` of the project's params.yaml (timm brings PyYAML, so a bare GPU box has it too)."""
-    import yaml
-
-    return yaml.safe_load((Path(__file__).resolve().parents[1] / "params.yaml").read_text())["model"]["name"]
-
-
-DEFAULT_MODEL = _default_model()
+DEFAULT_MODEL = load_params(Path(__file__).resolve().parents[1] / "params.yaml").model.name  # the project's default
 
 
 def make_model(name: str, device: torch.device, channels_last: bool, num_classes: int = 4) -> nn.Module:
