@@ -117,6 +117,7 @@ def main() -> None:
     except ImportError:
         providers = []
     size = args.image_size
+    print(f"{torch.cuda.get_device_name()}, {args.model} at {size} px; onnxruntime providers here: {providers}")
     with tempfile.TemporaryDirectory() as tmp:
         onnx_path = Path(tmp) / "model.onnx"
         head = ExportHead(make_model(args.model, torch.device("cpu"), channels_last=False), ok_index=0).eval()
@@ -137,28 +138,30 @@ def main() -> None:
             for _ in range(args.rounds):
                 for k, f in contenders.items():
                     samples[k].append(timed(f, calls, torch.cuda.synchronize))
-            results[f"batch_{bs}"] = {
+            results[f"batch_{bs}"] = rows = {
                 k: {"ms": statistics.median(s) * 1000, "img_s": bs / statistics.median(s)} for k, s in samples.items()
             }
+            for k, r in rows.items():
+                print(f"batch_{bs:<4} {k:<52} {r['ms']:9.2f} ms {r['img_s']:10.0f} img/s", flush=True)
+            write(args.out, results, providers, args.model, size)  # after each batch size: a timeout keeps it
             del contenders
             torch.cuda.empty_cache()
+    print(f"anchor: {ANCHOR}")
+
+
+def write(out: Path, results: dict, providers: list[str], model: str, size: int) -> None:
     report = {
         "date": time.strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "onnxruntime_providers": providers,
-        "model": args.model,
+        "model": model,
         "image_size": size,
         "results": results,
         "anchor": ANCHOR,
     }
-    print(f"\n{report['device']}, {args.model} at {size} px; onnxruntime providers here: {providers}")
-    for b, rows in results.items():
-        for k, r in rows.items():
-            print(f"{b:<10} {k:<52} {r['ms']:9.2f} ms {r['img_s']:10.0f} img/s")
-    print(f"anchor: {ANCHOR}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":
