@@ -2,7 +2,7 @@
 # The GPU check: run on a machine with an NVIDIA GPU, with that machine's own python3 and packages
 # (torch, timm, numpy, pytest, pyyaml, tqdm; no installs). Inside 10 minutes it runs
 #   1. the tests marked `gpu` (fp16 + GradScaler, bf16, NCCL DDP/FSDP, ...), and
-#   2. the training-throughput benchmark of the default EfficientNet at 224 px: fp32 vs AMP,
+#   2. the training-throughput benchmark of the default EfficientNet at 224 px, batch 256: fp32 vs AMP,
 #      with and without channels_last, and AMP + channels_last + torch.compile, side by side in one
 #      process; then the same without compile at the pipeline's own 128 px and batch 32, and
 #   3. the inference benchmark at 224 px, batch 1 and 256: PyTorch fp32, fp16 + channels_last,
