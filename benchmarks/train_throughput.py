@@ -35,7 +35,8 @@ from pipeline.loop import EMA, EpochProgress, train_one_epoch  # noqa: E402
 from pipeline.model import create_model  # noqa: E402
 from pipeline.runtime import resolve_runtime  # noqa: E402
 
-DEFAULT_MODEL = load_params(Path(__file__).resolve().parents[1] / "params.yaml").model.name  # the project's default
+PARAMS = load_params(Path(__file__).resolve().parents[1] / "params.yaml")  # the project's defaults
+DEFAULT_MODEL = PARAMS.model.name
 
 
 def make_model(name: str, device: torch.device, channels_last: bool, num_classes: int = 4) -> nn.Module:
@@ -110,16 +111,14 @@ def plain_loop(model: nn.Module, images: np.ndarray, labels: np.ndarray, batch_s
 
 def loop_mode(args) -> dict:
     """CPU, fp32: the stage's loop (augmentation on) against the plain loop, same model and images."""
-    import yaml
-
     from pipeline.augment import ImageDataset, build_policy
     from pipeline.loop import EpochBatches
 
-    params = yaml.safe_load((Path(__file__).resolve().parents[1] / "params.yaml").read_text())
-    size, bs = args.image_size or params["prepare"]["image_size"], args.batch_size or params["train"]["batch_size"]
+    t = PARAMS.train
+    size, bs = args.image_size or PARAMS.prepare.image_size, args.batch_size or t.batch_size
     rt = resolve_runtime("cpu", "fp32")
     images, labels = random_images(bs * args.steps * 2, size)
-    policy = build_policy(params["augment"]["policy"])
+    policy = build_policy(PARAMS.augment.policy)
     dataset = ImageDataset(images, labels, policy)
     sampler = EpochBatches(labels, bs, seed=0)
 
@@ -136,10 +135,10 @@ def loop_mode(args) -> dict:
 
         return run
 
-    cl, t = params["train"]["channels_last"], params["train"]
+    cl = t.channels_last
     ours = Contender(
         "stage loop (augment, clip, EMA if on, NaN check)",
-        stage_loop(make_model(args.model, rt.device, cl), stage_batches, rt, t["grad_clip"], t["ema"]),
+        stage_loop(make_model(args.model, rt.device, cl), stage_batches, rt, t.grad_clip, t.ema),
     )
     plain = Contender("plain loop", plain_loop(make_model(args.model, rt.device, cl), images, labels, bs))
     loaders = [Contender(f"data loader alone, {w} workers", loader_only(w)) for w in (0, 2)]
@@ -181,7 +180,8 @@ class _take:
 
 
 def gpu_mode(args) -> dict:
-    """CUDA: fp32 vs AMP (bf16 where supported, else fp16), with and without channels_last and compile."""
+    """CUDA: fp32 vs AMP (bf16 where supported, else fp16), with and without channels_last; AMP +
+    channels_last also compiled."""
     if not torch.cuda.is_available():
         raise SystemExit("gpu mode needs a CUDA GPU; torch sees none (use --mode loop on a CPU)")
     # Batch 256: at 64 this network is bound by kernel launches on an H200 (2.9x fewer img/s measured).
