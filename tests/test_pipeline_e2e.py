@@ -58,6 +58,10 @@ def test_every_stage_wrote_its_outputs(repro: Path):
     parity = json.loads((repro / "reports/export/parity.json").read_text())
     assert parity["fp32"]["deployable"] == 1 and parity["fp32"]["prob_max_abs_diff"] <= 1e-3
     assert set(parity) == {"fp32", "fp16", "int8"}
+    # evaluate scores at full precision, so its figures are the fp32 export's (the card's threshold is its)
+    evaluation = json.loads((repro / "reports/evaluate/metrics.json").read_text())
+    for key in ("accuracy", "defect_recall", "false_alarm_rate"):
+        assert parity["fp32"][key] == pytest.approx(evaluation[key]), key
     for variant in ("fp16", "int8"):
         assert (repro / f"models/export/model.{variant}.onnx").exists()
     bench = json.loads((repro / "reports/benchmark/metrics.json").read_text())
