@@ -92,7 +92,8 @@ class TrainConfig:
     label_smoothing: float
     grad_clip: float  # max global gradient norm; 0 = off
     ema: float  # decay of the exponential moving average of the weights; 0 = off
-    monitor: Literal["val_loss", "val_auc", "val_recall_at_far"]  # picks the kept model and drives early stopping
+    # picks the kept model and drives early stopping; last: the final epoch (the end of the cosine schedule)
+    monitor: Literal["val_loss", "val_auc", "val_recall_at_far", "last"]
     early_stopping_patience: int  # epochs without a better monitor value before stopping; 0 = off
     class_weighting: Literal["none", "loss", "sampling"]  # for imbalanced classes
     precision: Literal["auto", "fp32", "fp16", "bf16"]
@@ -294,6 +295,11 @@ def _check_values(p: Params) -> None:
         problems.append(f"train.ensemble: must be at least 1 (1 = a single model), got {t.ensemble}")
     if t.processes > 1 and t.distributed == "none":
         problems.append("train.processes: more than 1 process needs train.distributed: ddp or fsdp")
+    if t.monitor == "last" and t.early_stopping_patience:
+        problems.append(
+            "train.early_stopping_patience: needs a val monitor (val_loss, val_auc or val_recall_at_far); "
+            "with train.monitor: last every epoch is the newest, so nothing would ever stop"
+        )
     if not 0 <= t.ema < 1:
         problems.append(f"train.ema: a decay in [0, 1), got {t.ema}")
     if t.keep_last < 1 or t.keep_best < 1:

@@ -148,11 +148,14 @@ def evaluate_arrays(
 
 
 def monitor_score(row: dict, monitor: str) -> list[float]:
-    """Higher is better. val_recall_at_far moves in steps of one val defect, so val_auc breaks its ties.
+    """Higher is better. val_recall_at_far moves in steps of one val defect, so val_auc breaks its ties;
+    ``last`` ranks every epoch above the one before (the end of the cosine schedule is kept).
     NaN (a val split without defects or without OK images) ranks lowest."""
-    key = {"val_loss": (-row["val_loss"], 0.0), "val_auc": (row["val_auc"], -row["val_loss"])}.get(
-        monitor, (row["val_recall_at_far"], row["val_auc"])
-    )
+    key = {
+        "val_loss": (-row["val_loss"], 0.0),
+        "val_auc": (row["val_auc"], -row["val_loss"]),
+        "last": (row["epoch"], 0.0),
+    }.get(monitor, (row["val_recall_at_far"], row["val_auc"]))
     return [-math.inf if math.isnan(v) else float(v) for v in key]
 
 
@@ -515,7 +518,8 @@ def _train(
             if improved:
                 state["best"], state["bad_epochs"] = score, 0
                 if d.is_main:
-                    best_meta = {**meta, "epoch": epoch + 1, "val_loss": row["val_loss"], cfg.monitor: row[cfg.monitor]}
+                    watched = row.get(cfg.monitor, epoch + 1)  # monitor "last": the epoch itself
+                    best_meta = {**meta, "epoch": epoch + 1, "val_loss": row["val_loss"], cfg.monitor: watched}
                     keep_best_model(weights, best_meta, score, state, cfg, store)
             else:
                 state["bad_epochs"] += 1

@@ -176,13 +176,14 @@ def test_nan_loss_stops_with_a_message_and_keeps_the_last_good_checkpoint(prepar
 
 def test_early_stopping_ends_the_run_when_val_loss_stalls(prepared_project, tmp_path):
     shutil.copytree(prepared_project, tmp_path, dirs_exist_ok=True)
-    proc = run_train(tmp_path, params(lr=0.0, epochs=6, early_stopping_patience=2))  # lr 0: nothing improves
+    stalls = params(lr=0.0, epochs=6, early_stopping_patience=2, monitor="val_loss")  # lr 0: nothing improves
+    proc = run_train(tmp_path, stalls)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = json.loads((tmp_path / "reports/train/metrics.json").read_text())
     assert metrics["stopped_early"] and metrics["epochs_run"] == 3 and metrics["best_epoch"] == 1
     assert "early stop" in proc.stderr
     # A finished (early-stopped) run is not trained again when the stage reruns.
-    again = run_train(tmp_path, params(lr=0.0, epochs=6, early_stopping_patience=2))
+    again = run_train(tmp_path, stalls)
     assert again.returncode == 0 and "epoch 4" not in again.stderr
 
 
@@ -205,6 +206,19 @@ def test_monitor_keeps_the_epoch_with_the_best_val_defect_recall(prepared_projec
     assert metrics["best_val_recall_at_far"] == pytest.approx(float(best["val_recall_at_far"]))
     assert checkpoint.load(tmp_path / "models/train/model.pt")["meta"]["epoch"] == int(best["epoch"])
     assert (tmp_path / "reports/train/val_defect.png").stat().st_size > 0
+
+
+def test_monitor_last_keeps_the_weights_at_the_end_of_the_schedule(prepared_project, tmp_path):
+    """train.monitor: last (the default) keeps the final epoch's weights, whichever epoch val liked best."""
+    shutil.copytree(prepared_project, tmp_path, dirs_exist_ok=True)
+    proc = run_train(tmp_path, params(monitor="last", ema=0.0, keep_best=1))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads((tmp_path / "reports/train/metrics.json").read_text())
+    assert metrics["monitor"] == "last" and metrics["best_epoch"] == metrics["epochs_run"] == EPOCHS
+    kept = checkpoint.load(tmp_path / "models/train/model.pt")
+    assert kept["meta"]["epoch"] == EPOCHS
+    newest = checkpoint.step_dirs(ckpt_dir(tmp_path))[0] / "state.pt"  # the training state after the last step
+    assert same_weights(kept["model"], torch.load(newest, map_location="cpu", weights_only=True)["model"])
 
 
 def test_ensemble_is_the_mean_of_its_members_and_resumes_member_by_member(prepared_project, tmp_path):
