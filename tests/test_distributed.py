@@ -52,8 +52,11 @@ def test_consolidated_model_matches_the_distributed_one_in_a_single_process(two_
     x_val, y_val, _ = load_split(work / "data/prepared", "val")
     logits = predict_logits(net, x_val, resolve_runtime("cpu", "fp32"))
     loss = torch.nn.functional.cross_entropy(torch.from_numpy(logits), torch.from_numpy(y_val)).item()
-    # val_loss was computed by the two processes on the sharded/replicated model during training.
-    assert loss == pytest.approx(meta["val_loss"], abs=1e-5)
+    # val_loss was computed by the two processes on the sharded/replicated model during training, each
+    # on its half of the val images; here one process scores all of them, so the fp32 kernels sum in
+    # another order: ~1e-5 apart is normal (measured 1.4e-5 under FSDP), a wrong consolidation (a
+    # missing shard, unsynced BatchNorm statistics) is off by far more than 1e-4.
+    assert loss == pytest.approx(meta["val_loss"], abs=1e-4)
     best_row = history(work)[meta["epoch"]]
-    assert float(best_row[history(work)[0].index("val_loss")]) == pytest.approx(loss, abs=1e-5)
+    assert float(best_row[history(work)[0].index("val_loss")]) == pytest.approx(loss, abs=1e-4)
     assert np.isfinite(logits).all()
