@@ -54,8 +54,23 @@ def build_policy(policy: list[dict[str, Any]], seed: int | None = None) -> A.Com
     except Exception as exc:  # pydantic validation errors of a transform's arguments, mostly
         raise ConfigError(f"augment.policy: albumentations rejected the policy: {exc}") from None
     if seed is not None:
-        compose.set_random_seed(seed)
+        seed_policy(compose, seed)
     return compose
+
+
+def seed_policy(transform: A.BasicTransform | A.BaseCompose, seed: int, _path: tuple[int, ...] = ()) -> None:
+    """Seed a policy so that its transforms draw independently: each gets its own stream from (seed, its
+    position in the policy tree).
+
+    albumentations' own ``set_random_seed`` hands the *same* seed to every transform, so each one's first
+    draw, the one that decides whether it applies, is the same number: transforms with equal ``p`` fire
+    together. With one seed per image (what makes a resumed run replay the same augmentation) that held
+    for every image: HorizontalFlip and VerticalFlip at 0.5 were both applied or neither, a 180-degree
+    turn and never a mirror image, and gamma, noise and affine moves came in lockstep with them.
+    """
+    transform.set_random_seed(int(np.random.SeedSequence([seed, *_path]).generate_state(1)[0]))
+    for i, child in enumerate(getattr(transform, "transforms", [])):  # after the parent's, which propagates
+        seed_policy(child, seed, (*_path, i + 1))
 
 
 def save_policy(compose: A.Compose, path: Path) -> None:
@@ -88,7 +103,7 @@ class ImageDataset(Dataset):
         img = self.images[i]
         if self.transform is not None:
             if seed is not None:
-                self.transform.set_random_seed(seed)
+                seed_policy(self.transform, seed)
             img = apply_policy(self.transform, img)
         return torch.from_numpy(np.ascontiguousarray(img)), int(self.labels[i])
 
@@ -109,7 +124,7 @@ def balance_copies(
         members = np.nonzero(labels == c)[0]
         for k in range(max(0, target - n) if n else 0):
             i = members[k % n]
-            policy.set_random_seed((seed * 1_000_003 + c * 100_003 + k) % 2**31)
+            seed_policy(policy, (seed * 1_000_003 + c * 100_003 + k) % 2**31)
             copy = apply_policy(policy, images[i])
             if copy.shape != images[i].shape:
                 raise ConfigError(

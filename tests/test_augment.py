@@ -72,3 +72,18 @@ def test_balancing_copies_refuse_a_policy_that_changes_the_image_size():
     message = r"augment.balance: the policy turns a \(32, 32, 3\) image into \(16, 16, 3\)"
     with pytest.raises(ConfigError, match=message):
         balance_copies(images, np.array([0, 0, 0, 0, 0, 1]), crop, balance=1.0, seed=0)
+
+
+def test_each_transform_of_a_seeded_policy_draws_on_its_own():
+    """Training seeds the policy once per image (so a resumed run replays it). Two flips at p 0.5 must
+    then give all four outcomes about equally often: albumentations' own seeding gave every transform
+    the same seed, so both flipped or neither (a 180-degree turn, never a mirror image)."""
+    img = np.arange(8 * 8, dtype=np.uint8).reshape(8, 8, 1)
+    outcomes = {"none": img, "horizontal": img[:, ::-1], "vertical": img[::-1], "both": img[::-1, ::-1]}
+    data = ImageDataset(img[None], np.array([0]), build_policy([{"name": "HorizontalFlip"}, {"name": "VerticalFlip"}]))
+    seen = dict.fromkeys(outcomes, 0)
+    for seed in range(400):
+        out = data[(0, seed)][0].numpy()
+        seen[next(k for k, v in outcomes.items() if np.array_equal(out, v))] += 1
+    assert all(60 <= n <= 140 for n in seen.values()), seen  # 100 each expected; binomial sd ~8.7
+    assert np.array_equal(data[(0, 7)][0], data[(0, 7)][0])  # and the same seed, the same image
