@@ -411,16 +411,19 @@ def test_hot_reload_swaps_the_model_without_dropping_requests(model, runner, tmp
     srv = Server(live, "--max-batch-size", "8")
     try:
         x = np.full((1, *runner.input_shape), 90, dtype=np.uint8)
-        versions, codes, stop = [], [], threading.Event()
+        # Each client's own answers, in order: its next request starts after its last answer, so once a
+        # client has been served the new version it must never see the old one again. (One list for all
+        # clients would order answers by when the threads appended them, not by when they were served.)
+        seen, codes, stop = [[] for _ in range(4)], [], threading.Event()
 
-        def hammer():
+        def hammer(versions):
             while not stop.is_set():
                 r = srv.post(infer_path(runner), json=good_json(runner, x))
                 codes.append(r.status_code)
                 if r.status_code == 200:
                     versions.append(r.json()["model_version"])
 
-        threads = [threading.Thread(target=hammer) for _ in range(4)]
+        threads = [threading.Thread(target=hammer, args=(v,)) for v in seen]
         for t in threads:
             t.start()
         time.sleep(1)
@@ -445,8 +448,9 @@ def test_hot_reload_swaps_the_model_without_dropping_requests(model, runner, tmp
     finally:
         assert srv.stop() == 0
     assert codes and set(codes) == {200}, f"requests failed during reload: {sorted(set(codes))}"
-    assert versions[0] == runner.version and versions[-1] == new
-    assert versions.index(new) > 0 and runner.version not in versions[versions.index(new) :]
+    for versions in seen:
+        assert versions[0] == runner.version and versions[-1] == new
+        assert versions.index(new) > 0 and runner.version not in versions[versions.index(new) :]
 
 
 def test_sigterm_finishes_requests_in_flight_then_exits(model, runner):
