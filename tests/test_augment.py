@@ -87,3 +87,13 @@ def test_each_transform_of_a_seeded_policy_draws_on_its_own():
         seen[next(k for k, v in outcomes.items() if np.array_equal(out, v))] += 1
     assert all(60 <= n <= 140 for n in seen.values()), seen  # 100 each expected; binomial sd ~8.7
     assert np.array_equal(data[(0, 7)][0], data[(0, 7)][0])  # and the same seed, the same image
+
+
+def test_the_default_policy_leaves_about_half_the_training_images_as_they_are():
+    """params.yaml promises: half the images untouched (Sequential at p 0.5), the rest drawn as a surface
+    allows. A few of the other half come out unchanged too (no flip, a zero turn, gamma near 1)."""
+    img = np.random.default_rng(0).integers(40, 200, (16, 16, 1), np.uint8)
+    policy = build_policy(load_default_params()["augment"]["policy"])
+    data = ImageDataset(img[None], np.array([0]), policy)
+    unchanged = sum(np.array_equal(data[(0, seed)][0].numpy(), img) for seed in range(400))
+    assert 180 <= unchanged <= 260, unchanged  # about 0.54 x 400 expected; binomial sd ~10
