@@ -10,6 +10,10 @@
    exceeds its tolerance decides; when every rule ties, ``promote.promote_on_tie``.
 4. The comparison is written to ``reports/promote/decision.json`` and recorded on both training runs
    (metrics ``promote_*`` and tags) and on both model versions (tags).
+5. ``reports/promote/registry.json`` says which registry the aliases were set in and what they point at.
+   dvc.yaml keeps it out of DVC's cache, which turns DVC's run cache off for this stage: the stage's
+   real effect is on the registry, and a run restored from the run cache (another checkout's, or an
+   earlier run with the same inputs) would write the files and leave the registry as it was.
 
 The runner serves ``models:/<model_name>@champion`` and hot-reloads when the alias moves.
 """
@@ -20,6 +24,7 @@ import json
 import logging
 from dataclasses import asdict
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 from mlflow import MlflowClient
@@ -154,8 +159,19 @@ def promote(params: Params, export_dir: Path, raw_images: Path, prepared: Path, 
         }
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "decision.json").write_text(json.dumps(decision, indent=2) + "\n")
+        aliases = {"champion": decision["champion_after"], "challenger": version}
+        registry = {"tracking_uri": without_credentials(client.tracking_uri), "model_name": cfg.model_name, **aliases}
+        (out_dir / "registry.json").write_text(json.dumps(registry, indent=2) + "\n")
         record(run, client, decision, out_dir / "decision.json")
     return decision
+
+
+def without_credentials(uri: str) -> str:
+    """``http://user:secret@host/`` -> ``http://host/``: the file goes into git."""
+    parts = urlsplit(uri)
+    if parts.username is None and parts.password is None:
+        return uri
+    return urlunsplit(parts._replace(netloc=parts.hostname + (f":{parts.port}" if parts.port else "")))
 
 
 def record(run: tracking.Run, client: MlflowClient, d: dict, report: Path) -> None:

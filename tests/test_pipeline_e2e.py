@@ -122,3 +122,25 @@ def test_one_mlflow_run_holds_every_stage(repro: Path):
     assert {"evaluate/heatmaps.png", "evaluate/precision_recall.png", "evaluate/roc.png"} <= evaluate
     version = client.get_model_version_by_alias("defect-detection", "champion")
     assert version.run_id == run_id
+
+
+def test_promote_acts_on_the_registry_even_when_dvc_remembers_the_same_run(repro: Path):
+    """DVC's run cache would restore decision.json for the same inputs and skip the registry."""
+    import mlflow
+
+    uri = f"sqlite:///{repro / 'mlflow.db'}"
+    client = mlflow.MlflowClient(tracking_uri=uri, registry_uri=uri)
+    champion = str(client.get_model_version_by_alias("defect-detection", "champion").version)
+    registry = json.loads((repro / "reports/promote/registry.json").read_text())
+    assert registry["model_name"] == "defect-detection"
+    assert registry["champion"] == registry["challenger"] == champion  # the first model
+    assert registry["tracking_uri"].endswith("mlflow.db"), registry
+
+    # The registry forgets the alias (a new tracking server, someone's manual edit) and the outputs are gone:
+    # the stage's inputs are exactly those of the run DVC already made.
+    client.delete_registered_model_alias("defect-detection", "champion")
+    for name in ("decision.json", "registry.json"):
+        (repro / "reports/promote" / name).unlink()
+    out = dvc(repro, "repro", "promote").stdout
+    assert "Running stage 'promote'" in out and "run-cache" not in out, out
+    assert str(client.get_model_version_by_alias("defect-detection", "champion").version) == champion
