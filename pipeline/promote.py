@@ -159,8 +159,12 @@ def promote(params: Params, export_dir: Path, raw_images: Path, prepared: Path, 
         }
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "decision.json").write_text(json.dumps(decision, indent=2) + "\n")
-        aliases = {"champion": decision["champion_after"], "challenger": version}
-        registry = {"tracking_uri": without_credentials(client.tracking_uri), "model_name": cfg.model_name, **aliases}
+        registry = {
+            "tracking_uri": without_credentials(client.tracking_uri),
+            "model_name": cfg.model_name,
+            "champion": decision["champion_after"],
+            "challenger": version,
+        }
         (out_dir / "registry.json").write_text(json.dumps(registry, indent=2) + "\n")
         record(run, client, decision, out_dir / "decision.json")
     return decision
@@ -169,9 +173,9 @@ def promote(params: Params, export_dir: Path, raw_images: Path, prepared: Path, 
 def without_credentials(uri: str) -> str:
     """``http://user:secret@host/`` -> ``http://host/``: the file goes into git."""
     parts = urlsplit(uri)
-    if parts.username is None and parts.password is None:
-        return uri
-    return urlunsplit(parts._replace(netloc=parts.hostname + (f":{parts.port}" if parts.port else "")))
+    if "@" not in parts.netloc:
+        return uri  # also keeps sqlite:///x as written (urlunsplit would drop its empty netloc)
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
 
 
 def record(run: tracking.Run, client: MlflowClient, d: dict, report: Path) -> None:
