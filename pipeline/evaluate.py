@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.metrics import binary_metrics, choose_threshold, roc_auc, threshold_for_false_alarms
+from pipeline.metrics import binary_metrics, choose_threshold, group_weights, roc_auc, threshold_for_false_alarms
 from pipeline.plots import confusion_matrix_plot
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,7 @@ def evaluate(
     target_recall: float,
     out_dir: Path,
     max_false_alarm_rate: float = 0.03,
+    val_groups: np.ndarray | None = None,
 ) -> dict:
     """Probabilities (N, K) of val and test -> metrics dict; writes metrics.json and plots to out_dir.
 
@@ -52,11 +53,16 @@ def evaluate(
     ``target_recall`` of val defects (the one the model card uses), ``far_threshold`` flags at most
     ``max_false_alarm_rate`` of val OK images (how many defects does a line that tolerates that many
     false alarms catch?). ROC AUC summarizes the separation independent of any threshold.
+    ``val_groups`` (the near-duplicate group of each val image): recall and false-alarm rate on val
+    count each group once (``group_weights``), so one part photographed many times does not set the cut.
     """
     ok = classes.index(ok_class)
-    val_scores = 1 - val_probs[:, ok]
-    threshold = choose_threshold(val_scores, y_val != ok, target_recall)
-    far_threshold = threshold_for_false_alarms(val_scores[y_val == ok], max_false_alarm_rate)
+    val_scores, val_defect = 1 - val_probs[:, ok], y_val != ok
+    w = None if val_groups is None else group_weights(val_groups, val_defect)
+    threshold = choose_threshold(val_scores, val_defect, target_recall, w)
+    far_threshold = threshold_for_false_alarms(
+        val_scores[~val_defect], max_false_alarm_rate, None if w is None else w[~val_defect]
+    )
     cls, cm = classification_metrics(test_probs, y_test, classes)
     test_scores = 1 - test_probs[:, ok]
     binary = binary_metrics(test_scores, y_test != ok, threshold)

@@ -14,21 +14,51 @@ def softmax(logits: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=1, keepdims=True)
 
 
-def choose_threshold(defect_scores: np.ndarray, is_defect: np.ndarray, target_recall: float) -> float:
-    """Largest threshold t with recall(score >= t) >= target on these images."""
-    scores = np.sort(defect_scores[is_defect])
-    if len(scores) == 0:
+def group_weights(groups: np.ndarray, is_defect: np.ndarray | None = None) -> np.ndarray:
+    """(N,) weights that make every near-duplicate group count once: 1 / (images in its group); with
+    ``is_defect``, groups are counted among the defect images and among the OK images apart.
+
+    A group is one physical part photographed several times (exposures, retakes). Rates over images
+    then estimate rates over parts, which is what a line sees: each part passes the camera once. Without
+    this, one OK part shot six times is 6 of 162 val OK images (3.7%) and alone fixes a 3% threshold.
+    """
+    groups = np.asarray(groups)
+    if is_defect is not None:
+        w = np.empty(len(groups))
+        for part in (is_defect, ~is_defect):
+            w[part] = group_weights(groups[part])
+        return w
+    _, inverse, counts = np.unique(groups, return_inverse=True, return_counts=True)
+    return 1.0 / counts[inverse]
+
+
+def _weights(n: int, weights: np.ndarray | None) -> np.ndarray:
+    return np.ones(n) if weights is None else np.asarray(weights, dtype=np.float64)
+
+
+def choose_threshold(
+    defect_scores: np.ndarray, is_defect: np.ndarray, target_recall: float, weights: np.ndarray | None = None
+) -> float:
+    """Largest threshold t with recall(score >= t) >= target on these images; with ``weights`` (N,) the
+    recall is the weighted share of the defects caught (``group_weights``: the share of defective parts)."""
+    order = np.argsort(defect_scores[is_defect], kind="stable")
+    if len(order) == 0:
         raise ValueError("the validation split has no defect images: cannot choose a threshold")
-    allowed_misses = int(np.floor(len(scores) * (1 - target_recall) + 1e-9))
-    return float(scores[allowed_misses])
+    scores, w = defect_scores[is_defect][order], _weights(len(is_defect), weights)[is_defect][order]
+    # the lowest-scoring defects whose weight fits in the allowed misses are missed; the cut is the next one
+    missed = int(np.searchsorted(np.cumsum(w), w.sum() * (1 - target_recall) + 1e-9, side="right"))
+    return float(scores[min(missed, len(scores) - 1)])
 
 
-def threshold_for_false_alarms(ok_scores: np.ndarray, max_rate: float) -> float:
-    """Smallest threshold t with false-alarm rate(score >= t) <= max_rate on these OK images."""
-    scores = np.sort(ok_scores)[::-1]
-    if len(scores) == 0:
+def threshold_for_false_alarms(ok_scores: np.ndarray, max_rate: float, weights: np.ndarray | None = None) -> float:
+    """Smallest threshold t with false-alarm rate(score >= t) <= max_rate on these OK images; with
+    ``weights`` (N,) the rate is the weighted share flagged (``group_weights``: the share of OK parts)."""
+    order = np.argsort(-ok_scores, kind="stable")
+    if len(order) == 0:
         raise ValueError("the validation split has no OK images: cannot choose a threshold")
-    allowed = int(np.floor(len(scores) * max_rate + 1e-9))  # OK images that may be flagged
+    scores, w = ok_scores[order], _weights(len(ok_scores), weights)[order]
+    # the highest-scoring OK images whose weight fits in the allowed false alarms may be flagged
+    allowed = int(np.searchsorted(np.cumsum(w), w.sum() * max_rate + 1e-9, side="right"))
     return float(np.nextafter(scores[allowed], np.inf)) if allowed < len(scores) else 0.0
 
 

@@ -4,7 +4,8 @@ The split of an image follows from its near-duplicate group's hash, not from its
 adding new images never moves an existing image to another split (so the test set does not churn
 between retrains), and near-duplicates never straddle train/val/test.
 Each split is one ``.npz`` of (N, S, S, C) uint8 images resized by ``serving.preprocess.load_image``
-(the one decode+resize implementation), so an epoch never re-decodes a JPEG.
+(the one decode+resize implementation), so an epoch never re-decodes a JPEG, with their labels, paths
+and near-duplicate groups.
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ def prepare(
             images = list(tqdm(pool.map(load, rows), total=len(rows), desc=f"prepare {name}", unit="img"))
         x = np.stack(images) if images else np.zeros((0, cfg.image_size, cfg.image_size, channels), np.uint8)
         y = np.array([classes.index(r["label"]) for r in rows], dtype=np.int64)
-        np.savez(out_dir / f"{name}.npz", images=x, labels=y, paths=np.array([r["path"] for r in rows]))
+        paths, groups = np.array([r["path"] for r in rows]), np.array([r["group"] for r in rows])
+        np.savez(out_dir / f"{name}.npz", images=x, labels=y, paths=paths, groups=groups)
         summary["splits"][name] = {c: int((y == i).sum()) for i, c in enumerate(classes)}
     (out_dir / "prepare.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
@@ -97,6 +99,13 @@ def load_split(prepared_dir: Path, name: str) -> tuple[np.ndarray, np.ndarray, l
     """(N, S, S, C) uint8 images, (N,) int64 labels and relative paths of one split."""
     with np.load(prepared_dir / f"{name}.npz") as z:
         return z["images"], z["labels"], [str(p) for p in z["paths"]]
+
+
+def load_groups(prepared_dir: Path, name: str) -> np.ndarray:
+    """(N,) near-duplicate group of each image of a split (one physical part photographed several times),
+    for ``pipeline.metrics.group_weights``."""
+    with np.load(prepared_dir / f"{name}.npz") as z:
+        return z["groups"]
 
 
 def read_summary(prepared_dir: Path) -> dict:

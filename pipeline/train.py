@@ -35,10 +35,10 @@ from pipeline.augment import ImageDataset, build_policy
 from pipeline.config import ConfigError, Params, as_flat_dict
 from pipeline.distributed import Dist, unwrap
 from pipeline.loop import EMA, EpochBatches, EpochProgress, predict_logits, train_one_epoch
-from pipeline.metrics import binary_metrics, roc_auc, softmax, threshold_for_false_alarms
+from pipeline.metrics import binary_metrics, group_weights, roc_auc, softmax, threshold_for_false_alarms
 from pipeline.model import DefectNet, Ensemble, create_model
 from pipeline.plots import curves_plot, members_curves_plot
-from pipeline.prepare import load_split, read_summary
+from pipeline.prepare import load_groups, load_split, read_summary
 from pipeline.runtime import Runtime, resolve_runtime
 from pipeline.warmstart import WarmStart, resolve_init
 
@@ -130,9 +130,11 @@ def evaluate_arrays(
     criterion: nn.Module,
     ok_index: int,
     max_false_alarm_rate: float,
+    groups: np.ndarray | None = None,
 ) -> dict:
     """Val loss and accuracy, plus the two figures the line cares about: ROC AUC of the defect score and
-    the defect recall at the threshold that flags ``max_false_alarm_rate`` of the val OK images."""
+    the defect recall at the threshold that flags ``max_false_alarm_rate`` of the val OK images (each
+    near-duplicate group counted once when ``groups`` is given, as the evaluate stage does)."""
     logits = predict_logits(model, images, rt, d)
     loss = criterion(torch.from_numpy(logits), torch.from_numpy(labels)).item()
     scores = 1.0 - softmax(logits)[:, ok_index]
@@ -140,7 +142,8 @@ def evaluate_arrays(
     row = {"val_loss": loss, "val_acc": float((logits.argmax(1) == labels).mean())}
     row["val_auc"] = roc_auc(scores, is_defect)
     if is_defect.any() and not is_defect.all():
-        threshold = threshold_for_false_alarms(scores[~is_defect], max_false_alarm_rate)
+        w = None if groups is None else group_weights(groups, is_defect)[~is_defect]
+        threshold = threshold_for_false_alarms(scores[~is_defect], max_false_alarm_rate, w)
         row["val_recall_at_far"] = binary_metrics(scores, is_defect, threshold)["defect_recall"]
     else:
         row["val_recall_at_far"] = float("nan")
@@ -316,9 +319,8 @@ def _train_ensemble(
     info = read_summary(prepared_dir)
     x_va, y_va, _ = load_split(prepared_dir, "val")
     ok_index = info["classes"].index(info["ok_class"])
-    val = evaluate_arrays(
-        net, x_va, y_va, rt, Dist("none"), nn.CrossEntropyLoss(), ok_index, params.evaluate.max_false_alarm_rate
-    )
+    far, groups = params.evaluate.max_false_alarm_rate, load_groups(prepared_dir, "val")
+    val = evaluate_arrays(net, x_va, y_va, rt, Dist("none"), nn.CrossEntropyLoss(), ok_index, far, groups)
     reports_dir.mkdir(parents=True, exist_ok=True)
     # history.csv is member 0's (one row per epoch, as DVC plots expects); the PNGs show every member,
     # and the ensemble's own val figures beside theirs.
@@ -374,6 +376,7 @@ def _train(
     classes, channels = info["classes"], info["channels"]
     x_tr, y_tr = load_train_split(prepared_dir)
     x_va, y_va, _ = load_split(prepared_dir, "val")
+    g_va = load_groups(prepared_dir, "val")
     sampler = EpochBatches(y_tr, cfg.batch_size, cfg.seed, d.rank, d.world_size, cfg.class_weighting == "sampling")
     loader = DataLoader(
         ImageDataset(x_tr, y_tr, build_policy(params.augment.policy)),
@@ -509,7 +512,7 @@ def _train(
             )
             distributed.average_batchnorm_stats(model, d)
             with ema.applied(model):  # validate (and keep) the averaged weights when EMA is on
-                row |= evaluate_arrays(model, x_va, y_va, rt, d, eval_criterion, ok_index, far)
+                row |= evaluate_arrays(model, x_va, y_va, rt, d, eval_criterion, ok_index, far, g_va)
                 score = monitor_score(row, cfg.monitor)
                 improved = state["best"] is None or score > state["best"]
                 weights = full_model_state(model, d) if improved else None

@@ -9,7 +9,7 @@ from pipeline.entry import run_stage
 from pipeline.evaluate import evaluate, log_to_mlflow
 from pipeline.heatmaps import heatmap_report
 from pipeline.metrics import softmax
-from pipeline.prepare import load_split
+from pipeline.prepare import load_groups, load_split
 from pipeline.runtime import resolve_runtime
 from pipeline.train import load_model, predict_logits
 
@@ -34,6 +34,7 @@ def main(params):
         params.evaluate.target_defect_recall,
         out,
         params.evaluate.max_false_alarm_rate,
+        load_groups(Path("data/prepared"), "val"),
     )
     if params.evaluate.heatmaps_per_class > 0:
         metrics |= heatmap_report(

@@ -7,7 +7,7 @@ import json
 import numpy as np
 
 from pipeline.evaluate import evaluate
-from pipeline.metrics import roc_auc, threshold_for_false_alarms
+from pipeline.metrics import choose_threshold, group_weights, roc_auc, threshold_for_false_alarms
 
 
 def test_false_alarm_threshold_flags_at_most_the_allowed_share_of_ok_images():
@@ -15,6 +15,35 @@ def test_false_alarm_threshold_flags_at_most_the_allowed_share_of_ok_images():
     t = threshold_for_false_alarms(ok, 0.03)
     assert (ok >= t).sum() == 3 and t - ok[96] < 1e-9  # exactly 3 flagged; the cut sits just above the 4th
     assert (ok >= threshold_for_false_alarms(ok, 0.0)).sum() == 0
+
+
+def line_of_parts(n_parts: int, shots: dict[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """OK scores and groups of ``n_parts`` parts, part i scoring i / n_parts; ``shots``: parts photographed
+    more than once (part: images), like one tile at six exposures."""
+    groups = [f"part{i}" for i in range(n_parts) for _ in range(shots.get(i, 1))]
+    scores = [i / n_parts for i in range(n_parts) for _ in range(shots.get(i, 1))]
+    return np.array(scores), np.array(groups)
+
+
+def test_one_part_shot_six_times_does_not_set_the_false_alarm_threshold_alone():
+    # 100 OK parts; the highest-scoring one was photographed six times (6 of 105 images, 5.7%).
+    ok, groups = line_of_parts(100, {99: 6})
+    per_image = threshold_for_false_alarms(ok, 0.03)
+    per_part = threshold_for_false_alarms(ok, 0.03, group_weights(groups))
+    assert per_image > ok.max()  # counted by images, that one part alone is over 3%: nothing may be flagged
+    flagged = set(groups[ok >= per_part])
+    assert flagged == {"part99", "part98", "part97"}  # by parts: 3 of 100 parts, the six shots counted once
+    assert group_weights(groups).sum() == 100
+
+
+def test_group_weighted_recall_target_counts_each_defective_part_once():
+    # 50 defective parts scoring 0.5..0.99; the weakest one photographed six times.
+    scores = np.array([0.5] * 6 + [0.5 + i / 100 for i in range(1, 50)])
+    groups = np.array(["weak"] * 6 + [f"d{i}" for i in range(1, 50)])
+    is_defect = np.ones(len(scores), bool)
+    assert choose_threshold(scores, is_defect, 0.98) == 0.5  # by images the six shots must all be caught
+    t = choose_threshold(scores, is_defect, 0.98, group_weights(groups, is_defect))
+    assert t == 0.51  # by parts the weak part is the 1 of 50 (2%) a 98% target may miss
 
 
 def test_roc_auc_counts_pairs_ordered_right():
@@ -41,3 +70,17 @@ def test_evaluate_reports_both_operating_points_and_draws_the_roc(tmp_path):
     assert m["false_alarm_rate_at_far_threshold"] < 0.08 and m["defect_recall"] >= 0.9
     assert json.loads((tmp_path / "metrics.json").read_text())["roc_auc"] == m["roc_auc"]
     assert (tmp_path / "roc.png").stat().st_size > 5_000
+
+
+def test_evaluate_counts_val_parts_once_when_it_knows_the_groups(tmp_path):
+    classes = ["crack", "ok"]
+    ok, groups = line_of_parts(100, {99: 6})  # OK parts scoring 0..0.99, the top one shot six times
+    defect_scores = np.linspace(0.5, 1.0, 40)  # defects, their own parts
+    val_scores = np.concatenate([ok, defect_scores])
+    y_val = np.array([1] * len(ok) + [0] * len(defect_scores))
+    val_groups = np.concatenate([groups, [f"d{i}" for i in range(len(defect_scores))]])
+    probs = np.stack([val_scores, 1 - val_scores], axis=1)
+    by_image = evaluate(probs, y_val, probs, y_val, classes, "ok", 0.98, tmp_path / "a", 0.03)
+    by_part = evaluate(probs, y_val, probs, y_val, classes, "ok", 0.98, tmp_path / "b", 0.03, val_groups)
+    assert by_part["far_threshold"] < by_image["far_threshold"]
+    assert by_part["defect_recall_at_far_threshold"] > by_image["defect_recall_at_far_threshold"]

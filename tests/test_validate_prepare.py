@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 from PIL import Image
 
 from pipeline.config import params_from_dict
-from pipeline.prepare import assign_splits, split_of
+from pipeline.prepare import assign_splits, load_groups, load_split, split_of
 from pipeline.validate import GateError, gate, validate
 from tests.conftest import tiny_params
 
@@ -66,6 +67,17 @@ def test_gate_names_the_figure(dataset):
     strict = dataclasses.replace(P.validate, max_bad_fraction=1.0, min_per_class=10)
     with pytest.raises(GateError, match=r"min_per_class=10: dent \(6\), ok \(6\)"):
         gate(summary, quarantined, strict)
+
+
+def test_each_prepared_image_carries_its_near_duplicate_group(prepared_project):
+    """Evaluate counts each val part once by these groups: they must be the validate stage's groups."""
+    with open(prepared_project / "data/validated/manifest.csv", newline="") as f:
+        group_of = {r["path"]: r["group"] for r in csv.DictReader(f)}
+    for split in ("train", "val", "test"):
+        _, labels, paths = load_split(prepared_project / "data/prepared", split)
+        groups = load_groups(prepared_project / "data/prepared", split)
+        assert len(groups) == len(labels) > 0
+        assert list(groups) == [group_of[p] for p in paths]
 
 
 def test_near_duplicates_share_a_group_and_a_split(dataset):
