@@ -21,9 +21,12 @@ def group_weights(groups: np.ndarray, is_defect: np.ndarray | None = None) -> np
     A group is one physical part photographed several times (exposures, retakes). Rates over images
     then estimate rates over parts, which is what a line sees: each part passes the camera once. Without
     this, one OK part shot six times is 6 of 162 val OK images (3.7%) and alone fixes a 3% threshold.
+    A weighted rate counts a part in proportion to the share of its shots flagged (half its exposures
+    flagged: half a part), the mean over parts of what one shot of each would do.
     """
     groups = np.asarray(groups)
     if is_defect is not None:
+        is_defect = np.asarray(is_defect, dtype=bool)  # a 0/1 int array would invert wrongly under ~
         w = np.empty(len(groups))
         for part in (is_defect, ~is_defect):
             w[part] = group_weights(groups[part])
@@ -40,7 +43,7 @@ def choose_threshold(
     defect_scores: np.ndarray, is_defect: np.ndarray, target_recall: float, weights: np.ndarray | None = None
 ) -> float:
     """Largest threshold t with recall(score >= t) >= target on these images; with ``weights`` (N,) the
-    recall is the weighted share of the defects caught (``group_weights``: the share of defective parts)."""
+    recall is the weighted share of the defects caught (``group_weights``: each defective part weighs one)."""
     order = np.argsort(defect_scores[is_defect], kind="stable")
     if len(order) == 0:
         raise ValueError("the validation split has no defect images: cannot choose a threshold")
@@ -52,7 +55,7 @@ def choose_threshold(
 
 def threshold_for_false_alarms(ok_scores: np.ndarray, max_rate: float, weights: np.ndarray | None = None) -> float:
     """Smallest threshold t with false-alarm rate(score >= t) <= max_rate on these OK images; with
-    ``weights`` (N,) the rate is the weighted share flagged (``group_weights``: the share of OK parts)."""
+    ``weights`` (N,) the rate is the weighted share flagged (``group_weights``: each OK part weighs one)."""
     order = np.argsort(-ok_scores, kind="stable")
     if len(order) == 0:
         raise ValueError("the validation split has no OK images: cannot choose a threshold")
