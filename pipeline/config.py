@@ -90,6 +90,8 @@ class TrainConfig:
     weight_decay: float
     warmup_epochs: int
     label_smoothing: float
+    focal_gamma: float  # focal loss: (1 - p(true class)) ** gamma scales each image's cross-entropy; 0 = plain
+    ranking_loss: float  # weight of a pairwise defect-vs-OK ranking term added to the cross-entropy; 0 = off
     grad_clip: float  # max global gradient norm; 0 = off
     ema: float  # decay of the exponential moving average of the weights; 0 = off
     # picks the kept model and drives early stopping; last: the final epoch (the end of the cosine schedule)

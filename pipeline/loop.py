@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 from torch import nn
+from torch.nn import functional as F
 from torch.utils.data import DataLoader, Sampler
 from tqdm import tqdm
 
@@ -69,6 +70,49 @@ class EpochBatches(Sampler[list[tuple[int, int]]]):
         for b in range(self.start, len(self)):
             positions = range(b * size, (b + 1) * size)
             yield [(mine[p], (base + p * self.world + self.rank) % 2**31) for p in positions]
+
+
+class FocalLoss(nn.Module):
+    """Cross-entropy with each image's term scaled by (1 - p(true class)) ** gamma (Lin et al., 2017):
+    the many images the model already gets right (on a line: OK surfaces) stop dominating the loss."""
+
+    def __init__(self, gamma: float, weight: torch.Tensor | None = None, label_smoothing: float = 0.0) -> None:
+        super().__init__()
+        self.gamma, self.weight = gamma, weight
+        self.ce = nn.CrossEntropyLoss(weight=weight, label_smoothing=label_smoothing, reduction="none")
+
+    def forward(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        p_true = logits.softmax(dim=1).gather(1, y[:, None]).squeeze(1)
+        terms = (1 - p_true) ** self.gamma * self.ce(logits, y)
+        # the same normalization as nn.CrossEntropyLoss: by the summed class weights of the batch
+        return terms.sum() / (self.weight[y].sum() if self.weight is not None else len(y))
+
+
+class RankingLoss(nn.Module):
+    """Cross-entropy plus ``weight`` x a pairwise ranking term on the defect-vs-OK score.
+
+    The score is the log-odds of "some defect class" against the OK class. For every (defect, OK) pair
+    in the batch the term adds softplus(score_ok - score_defect), the logistic surrogate of ROC AUC
+    (RankNet): it pushes each defect above the OK images that outscore it, and as nearly every OK image
+    soon scores far below the defects, its gradient comes from the few OK images that look defective,
+    the ones that set a low false-alarm threshold. A batch without both kinds adds nothing.
+    """
+
+    def __init__(self, ok_index: int, weight: float, ce: nn.Module) -> None:
+        super().__init__()
+        self.ok_index, self.weight, self.ce = ok_index, weight, ce
+
+    def forward(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = self.ce(logits, y)
+        if self.weight <= 0:
+            return loss
+        is_ok = y == self.ok_index
+        others = torch.cat([logits[:, : self.ok_index], logits[:, self.ok_index + 1 :]], dim=1)
+        score = torch.logsumexp(others, dim=1) - logits[:, self.ok_index]
+        pos, neg = score[~is_ok], score[is_ok]
+        if len(pos) and len(neg):
+            loss = loss + self.weight * F.softplus(neg[None, :] - pos[:, None]).mean()
+        return loss
 
 
 class EMA:

@@ -34,7 +34,7 @@ from pipeline import checkpoint, distributed, tracking
 from pipeline.augment import ImageDataset, build_policy
 from pipeline.config import ConfigError, Params, as_flat_dict
 from pipeline.distributed import Dist, unwrap
-from pipeline.loop import EMA, EpochBatches, EpochProgress, predict_logits, train_one_epoch
+from pipeline.loop import EMA, EpochBatches, EpochProgress, FocalLoss, RankingLoss, predict_logits, train_one_epoch
 from pipeline.metrics import binary_metrics, group_weights, roc_auc, softmax, threshold_for_false_alarms
 from pipeline.model import DefectNet, Ensemble, create_model
 from pipeline.plots import curves_plot, members_curves_plot
@@ -396,9 +396,13 @@ def _train(
     )
     ema = EMA(model, cfg.ema)
     weight = class_weights(y_tr, len(classes)).to(rt.device) if cfg.class_weighting == "loss" else None
-    criterion = nn.CrossEntropyLoss(weight=weight, label_smoothing=cfg.label_smoothing)
-    eval_criterion = nn.CrossEntropyLoss()
     ok_index, far = classes.index(info["ok_class"]), params.evaluate.max_false_alarm_rate
+    if cfg.focal_gamma > 0:
+        ce = FocalLoss(cfg.focal_gamma, weight, cfg.label_smoothing)
+    else:
+        ce = nn.CrossEntropyLoss(weight=weight, label_smoothing=cfg.label_smoothing)
+    criterion = RankingLoss(ok_index, cfg.ranking_loss, ce)
+    eval_criterion = nn.CrossEntropyLoss()
     torch.manual_seed(cfg.seed * 7919 + d.rank)  # this rank's dropout stream from here on
 
     fp = fingerprint(params, prepared_dir, init.identity if init else "")

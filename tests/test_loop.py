@@ -13,7 +13,7 @@ import timm
 import torch
 
 from pipeline.config import ConfigError, ModelConfig
-from pipeline.loop import EMA, EpochBatches
+from pipeline.loop import EMA, EpochBatches, FocalLoss, RankingLoss
 from pipeline.model import create_model
 from pipeline.runtime import cpu_has_native_bf16, resolve_runtime
 from tests.conftest import ROOT, venv_env
@@ -65,6 +65,34 @@ def test_ema_tracks_the_weights_and_is_swapped_in_only_inside_its_block():
     off.update(model)
     with off.applied(model):
         assert torch.equal(model.weight, start + 1)
+
+
+def test_focal_loss_is_cross_entropy_at_gamma_0_and_mutes_what_the_model_already_gets_right():
+    logits = torch.tensor([[4.0, 0.0, 0.0], [0.0, 0.2, 0.0], [0.0, 0.0, 3.0]])
+    y = torch.tensor([0, 1, 2])
+    weight = torch.tensor([1.0, 3.0, 0.5])
+    for w in (None, weight):
+        ce = torch.nn.functional.cross_entropy(logits, y, weight=w)
+        assert torch.allclose(FocalLoss(0.0, w)(logits, y), ce)
+    per_image = torch.nn.functional.cross_entropy(logits, y, reduction="none")
+    focal = torch.stack([FocalLoss(2.0)(logits[i : i + 1], y[i : i + 1]) for i in range(3)])
+    # the confident right answers (images 0 and 2) keep a far smaller share of their loss than the unsure one
+    share = focal / per_image
+    assert share[1] > 10 * share[0] and share[1] > 10 * share[2]
+
+
+def test_ranking_term_pushes_a_defect_above_the_ok_images_that_outscore_it():
+    ce = torch.nn.CrossEntropyLoss()
+    y = torch.tensor([1, 1, 0])  # class 1 is OK; image 2 is a defect
+    ranked_right = torch.tensor([[-5.0, 5.0], [-5.0, 5.0], [5.0, -5.0]])
+    assert RankingLoss(1, 1.0, ce)(ranked_right, y) - ce(ranked_right, y) < 1e-4  # every pair in order
+    logits = torch.tensor([[0.0, 1.0], [2.0, 0.0], [0.0, 0.5]], requires_grad=True)  # an OK image outscores it
+    loss = RankingLoss(1, 1.0, ce)(logits, y)
+    assert loss > ce(logits, y) + 0.5
+    loss.backward()
+    assert logits.grad[2, 0] < 0 and logits.grad[1, 0] > 0  # raise the defect's score, lower the OK image's
+    only_ok = torch.tensor([1, 1, 1])
+    assert torch.equal(RankingLoss(1, 1.0, ce)(logits, only_ok), ce(logits, only_ok))  # no pair, no term
 
 
 def test_precision_is_resolved_once_by_device():
