@@ -93,6 +93,66 @@ def evaluate(
     return metrics
 
 
+Split = tuple[np.ndarray, np.ndarray, list[str], np.ndarray]  # images, labels, paths, defect scores
+
+
+def review_sheet(val: Split, test: Split, classes: list[str], ok_class: str, far_threshold: float,
+                 out_dir: Path, val_groups: np.ndarray | None = None, per_row: int = 8) -> dict:  # fmt: skip
+    """The images a person should look at first: review.csv and review.png.
+
+    Three rows: the val OK parts that score highest (on a small val split a few of them set the
+    false-alarm threshold alone, and an OK label on an image that shows a defect costs recall on every
+    part; with ``val_groups``, one image per near-duplicate group, its highest), the test defects
+    missed at that threshold (lowest score first) and the test OK images it flags (highest first).
+    Returns how many test defects it misses and test OK images it flags.
+    """
+    ok = classes.index(ok_class)
+    val_ok = val[1] == ok
+    if val_groups is not None:  # keep each OK part's highest-scoring shot only
+        seen: set = set()
+        for i in np.argsort(-val[3], kind="stable"):
+            if val_ok[i]:
+                val_ok[i] = val_groups[i] not in seen
+                seen.add(val_groups[i])
+    missed = (test[1] != ok) & (test[3] < far_threshold)
+    flagged = (test[1] == ok) & (test[3] >= far_threshold)
+
+    def first(keep: np.ndarray, scores: np.ndarray, highest: bool) -> list[int]:
+        order = np.argsort(-scores if highest else scores, kind="stable")
+        return [int(i) for i in order if keep[i]][:per_row]
+
+    rows = {
+        "val OK parts, highest scores (check their labels: they set the false-alarm cut)": (
+            "val", val, first(val_ok, val[3], highest=True)),
+        "test defects missed at the false-alarm threshold": ("test", test, first(missed, test[3], highest=False)),
+        "test OK images flagged at the false-alarm threshold": ("test", test, first(flagged, test[3], highest=True)),
+    }  # fmt: skip
+    with open(out_dir / "review.csv", "w") as f:
+        f.write("row,split,path,label,defect_score\n")
+        for name, (split, (_, y, paths, scores), idx) in rows.items():
+            for i in idx:
+                f.write(f'"{name}",{split},{paths[i]},{classes[y[i]]},{scores[i]:.6f}\n')
+    _review_grid(rows, classes, far_threshold, per_row, out_dir / "review.png")
+    return {"review_missed_defects": int(missed.sum()), "review_flagged_ok": int(flagged.sum())}
+
+
+def _review_grid(rows: dict, classes: list[str], threshold: float, per_row: int, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure(figsize=(1.5 * per_row, 2.2 * len(rows)), layout="constrained")
+    fig.suptitle(f"defect score = 1 - p(ok); the false-alarm threshold is {threshold:.3f}", fontsize=9)
+    for sub, (name, (_, (x, y, paths, scores), idx)) in zip(fig.subfigures(len(rows), 1), rows.items(), strict=True):
+        sub.suptitle(name if len(idx) else f"{name}: none", fontsize=8)
+        for c, ax in enumerate(sub.subplots(1, per_row)):
+            ax.axis("off")
+            if c < len(idx):
+                img = x[idx[c]]
+                ax.imshow(img[..., 0] if img.shape[-1] == 1 else img, cmap="gray", vmin=0, vmax=255)
+                ax.set_title(f"{classes[y[idx[c]]]} {scores[idx[c]]:.3f}\n{Path(paths[idx[c]]).name[:20]}", fontsize=6)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def _score_histogram(scores: np.ndarray, is_defect: np.ndarray, threshold: float, path: Path) -> None:
     import matplotlib.pyplot as plt
 

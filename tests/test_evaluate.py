@@ -84,3 +84,51 @@ def test_evaluate_counts_val_parts_once_when_it_knows_the_groups(tmp_path):
     by_part = evaluate(probs, y_val, probs, y_val, classes, "ok", 0.98, tmp_path / "b", 0.03, val_groups)
     assert by_part["far_threshold"] < by_image["far_threshold"]
     assert by_part["defect_recall_at_far_threshold"] > by_image["defect_recall_at_far_threshold"]
+
+
+def test_review_sheet_lists_the_val_ok_images_that_set_the_cut_and_the_test_mistakes(tmp_path):
+    from PIL import Image
+
+    from pipeline.evaluate import review_sheet
+
+    classes = ["crack", "ok"]
+    rng = np.random.default_rng(0)
+
+    def split(scores, labels, name):
+        images = rng.integers(0, 255, (len(scores), 16, 16, 3), dtype=np.uint8)
+        paths = [f"{classes[y]}/{name}{i}.png" for i, y in enumerate(labels)]
+        return images, np.array(labels), paths, np.array(scores)
+
+    # val: ten OK images, one of which (0.95) outscores everything; test: a missed crack, a flagged OK image
+    val = split([0.1] * 9 + [0.95, 0.9], [1] * 10 + [0], "v")
+    test = split([0.2, 0.05, 0.97, 0.8, 0.3], [0, 1, 1, 0, 1], "t")
+    counts = review_sheet(val, test, classes, "ok", 0.5, tmp_path)
+
+    assert counts == {"review_missed_defects": 1, "review_flagged_ok": 1}
+    rows = (tmp_path / "review.csv").read_text().splitlines()[1:]
+    assert rows[0].endswith(",val,ok/v9.png,ok,0.950000")  # the suspicious OK image comes first
+    assert len([r for r in rows if ",val," in r]) == 8  # the eight highest val OK images, no defect among them
+    assert any(r.endswith(",test,crack/t0.png,crack,0.200000") for r in rows)  # the missed defect
+    assert any(r.endswith(",test,ok/t2.png,ok,0.970000") for r in rows)  # the false alarm
+    assert not any("t3.png" in r or "t4.png" in r or "t1.png" in r for r in rows)  # caught, or OK and not flagged
+    assert Image.open(tmp_path / "review.png").size[0] > 400
+
+
+def test_review_sheet_shows_each_val_ok_part_once(tmp_path):
+    from pipeline.evaluate import review_sheet
+
+    classes = ["crack", "ok"]
+    images = np.zeros((10, 8, 8, 3), dtype=np.uint8)
+    paths = [f"ok/v{i}.png" for i in range(10)]
+    # one OK part shot six times scores highest; four other parts below it
+    scores = np.array([0.9, 0.91, 0.92, 0.93, 0.94, 0.95, 0.5, 0.4, 0.3, 0.2])
+    val = (images, np.ones(10, dtype=np.int64), paths, scores)
+    groups = np.array(["tile"] * 6 + ["a", "b", "c", "d"])
+    test = (images[:1], np.ones(1, dtype=np.int64), ["ok/t0.png"], np.array([0.1]))
+    review_sheet(val, test, classes, "ok", 0.96, tmp_path, val_groups=groups)
+
+    import csv
+
+    with open(tmp_path / "review.csv") as f:
+        listed = [r["path"] for r in csv.DictReader(f)]
+    assert listed == ["ok/v5.png", "ok/v6.png", "ok/v7.png", "ok/v8.png", "ok/v9.png"]  # the tile once, by its top shot
