@@ -302,6 +302,9 @@ def _check_values(p: Params) -> None:
             "train.early_stopping_patience: needs a val monitor (val_loss, val_auc or val_recall_at_far); "
             "with train.monitor: last every epoch is the newest, so nothing would ever stop"
         )
+    for key in ("focal_gamma", "ranking_loss"):
+        if getattr(t, key) < 0:
+            problems.append(f"train.{key}: must be >= 0 (0 = off), got {getattr(t, key)}")
     if not 0 <= t.ema < 1:
         problems.append(f"train.ema: a decay in [0, 1), got {t.ema}")
     if t.keep_last < 1 or t.keep_best < 1:

@@ -7,6 +7,7 @@ the validation split; the test split then tells how that choice holds on unseen 
 
 from __future__ import annotations
 
+import csv
 import json
 import logging
 from pathlib import Path
@@ -127,11 +128,11 @@ def review_sheet(val: Split, test: Split, classes: list[str], ok_class: str, far
         "test defects missed at the false-alarm threshold": ("test", test, first(missed, test[3], highest=False)),
         "test OK images flagged at the false-alarm threshold": ("test", test, first(flagged, test[3], highest=True)),
     }  # fmt: skip
-    with open(out_dir / "review.csv", "w") as f:
-        f.write("row,split,path,label,defect_score\n")
+    with open(out_dir / "review.csv", "w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(["row", "split", "path", "label", "defect_score"])
         for name, (split, (_, y, paths, scores), idx) in rows.items():
-            for i in idx:
-                f.write(f'"{name}",{split},{paths[i]},{classes[y[i]]},{scores[i]:.6f}\n')
+            out.writerows([name, split, paths[i], classes[y[i]], f"{scores[i]:.6f}"] for i in idx)
     _review_grid(rows, classes, far_threshold, per_row, out_dir / "review.png")
     return {"review_missed_defects": int(missed.sum()), "review_flagged_ok": int(flagged.sum())}
 

@@ -82,8 +82,11 @@ class FocalLoss(nn.Module):
         self.ce = nn.CrossEntropyLoss(weight=weight, label_smoothing=label_smoothing, reduction="none")
 
     def forward(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        p_true = logits.softmax(dim=1).gather(1, y[:, None]).squeeze(1)
-        terms = (1 - p_true) ** self.gamma * self.ce(logits, y)
+        log_p_true = logits.log_softmax(dim=1).gather(1, y[:, None]).squeeze(1)
+        # 1 - p from the log (exact near p = 1), floored: (1 - p) ** gamma has an infinite slope at p = 1
+        # when gamma < 1, and a saturated softmax reaches p = 1 in float32
+        miss = (-torch.expm1(log_p_true)).clamp_min(1e-6)
+        terms = miss**self.gamma * self.ce(logits, y)
         # the same normalization as nn.CrossEntropyLoss: by the summed class weights of the batch
         return terms.sum() / (self.weight[y].sum() if self.weight is not None else len(y))
 
@@ -95,7 +98,8 @@ class RankingLoss(nn.Module):
     in the batch the term adds softplus(score_ok - score_defect), the logistic surrogate of ROC AUC
     (RankNet): it pushes each defect above the OK images that outscore it, and as nearly every OK image
     soon scores far below the defects, its gradient comes from the few OK images that look defective,
-    the ones that set a low false-alarm threshold. A batch without both kinds adds nothing.
+    the ones that set a low false-alarm threshold. A batch without both kinds adds nothing; under
+    DDP/FSDP the pairs are those of each process's own batch.
     """
 
     def __init__(self, ok_index: int, weight: float, ce: nn.Module) -> None:

@@ -72,27 +72,39 @@ def test_focal_loss_is_cross_entropy_at_gamma_0_and_mutes_what_the_model_already
     y = torch.tensor([0, 1, 2])
     weight = torch.tensor([1.0, 3.0, 0.5])
     for w in (None, weight):
-        ce = torch.nn.functional.cross_entropy(logits, y, weight=w)
-        assert torch.allclose(FocalLoss(0.0, w)(logits, y), ce)
+        for smoothing in (0.0, 0.1):
+            ce = torch.nn.functional.cross_entropy(logits, y, weight=w, label_smoothing=smoothing)
+            assert torch.allclose(FocalLoss(0.0, w, smoothing)(logits, y), ce)
     per_image = torch.nn.functional.cross_entropy(logits, y, reduction="none")
     focal = torch.stack([FocalLoss(2.0)(logits[i : i + 1], y[i : i + 1]) for i in range(3)])
     # the confident right answers (images 0 and 2) keep a far smaller share of their loss than the unsure one
     share = focal / per_image
     assert share[1] > 10 * share[0] and share[1] > 10 * share[2]
+    saturated = torch.tensor([[60.0, 0.0, 0.0]], requires_grad=True)
+    FocalLoss(0.5)(saturated, torch.tensor([0])).backward()  # gamma < 1 at p = 1: a finite gradient
+    assert torch.isfinite(saturated.grad).all()
 
 
 def test_ranking_term_pushes_a_defect_above_the_ok_images_that_outscore_it():
     ce = torch.nn.CrossEntropyLoss()
-    y = torch.tensor([1, 1, 0])  # class 1 is OK; image 2 is a defect
-    ranked_right = torch.tensor([[-5.0, 5.0], [-5.0, 5.0], [5.0, -5.0]])
-    assert RankingLoss(1, 1.0, ce)(ranked_right, y) - ce(ranked_right, y) < 1e-4  # every pair in order
-    logits = torch.tensor([[0.0, 1.0], [2.0, 0.0], [0.0, 0.5]], requires_grad=True)  # an OK image outscores it
-    loss = RankingLoss(1, 1.0, ce)(logits, y)
-    assert loss > ce(logits, y) + 0.5
-    loss.backward()
-    assert logits.grad[2, 0] < 0 and logits.grad[1, 0] > 0  # raise the defect's score, lower the OK image's
-    only_ok = torch.tensor([1, 1, 1])
-    assert torch.equal(RankingLoss(1, 1.0, ce)(logits, only_ok), ce(logits, only_ok))  # no pair, no term
+    ok = 2  # the OK class in the middle, as `free` is among the magnetic tile classes
+    y = torch.tensor([ok, ok, 0, 4])  # two OK images, two defects
+    ranked_right = torch.full((4, 5), -5.0)
+    ranked_right[[0, 1, 2, 3], [ok, ok, 0, 4]] = 5.0
+    assert abs(RankingLoss(ok, 1.0, ce)(ranked_right, y) - ce(ranked_right, y)) < 1e-3  # every pair in order
+    # the defect score is log(p(any defect) / p(ok)); OK image 1 outscores defect 2 (1.0 against -1.0)
+    logits = torch.tensor([[0, 0, 3.0, 0, 0], [0, 1.0, 0, 0, 0], [-1.0, 0, 0, 0, 0], [0, 0, -2.0, 0, 3.0]])
+    p = logits.softmax(1)
+    score = torch.log((1 - p[:, ok]) / p[:, ok])
+    pairs = torch.nn.functional.softplus(score[[0, 1]][None, :] - score[[2, 3]][:, None]).mean()
+    assert torch.allclose(RankingLoss(ok, 0.5, ce)(logits, y), ce(logits, y) + 0.5 * pairs, atol=1e-5)
+    with_term, plain = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    RankingLoss(ok, 1.0, ce)(with_term, y).backward()
+    ce(plain, y).backward()
+    extra = with_term.grad - plain.grad
+    assert extra[2, ok] > 0 and extra[1, ok] < 0  # beyond cross-entropy: defect 2 away from OK, OK image 1 towards it
+    only_ok = torch.full((4,), ok)
+    assert torch.equal(RankingLoss(ok, 1.0, ce)(logits, only_ok), ce(logits, only_ok))  # no pair, no term
 
 
 def test_precision_is_resolved_once_by_device():
