@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import csv
 import json
 
 import numpy as np
+from PIL import Image
 
-from pipeline.evaluate import evaluate
+from pipeline.evaluate import evaluate, review_sheet
 from pipeline.metrics import choose_threshold, group_weights, roc_auc, threshold_for_false_alarms
 
 
@@ -87,10 +89,6 @@ def test_evaluate_counts_val_parts_once_when_it_knows_the_groups(tmp_path):
 
 
 def test_review_sheet_lists_the_val_ok_images_that_set_the_cut_and_the_test_mistakes(tmp_path):
-    from PIL import Image
-
-    from pipeline.evaluate import review_sheet
-
     classes = ["crack", "ok"]
     rng = np.random.default_rng(0)
 
@@ -105,8 +103,6 @@ def test_review_sheet_lists_the_val_ok_images_that_set_the_cut_and_the_test_mist
     counts = review_sheet(val, test, classes, "ok", 0.5, tmp_path)
 
     assert counts == {"review_missed_defects": 1, "review_flagged_ok": 1}
-    import csv
-
     with open(tmp_path / "review.csv") as f:
         rows = [(r["split"], r["path"], r["label"], r["defect_score"]) for r in csv.DictReader(f)]
     val_rows = [r for r in rows if r[0] == "val"]
@@ -120,8 +116,6 @@ def test_review_sheet_lists_the_val_ok_images_that_set_the_cut_and_the_test_mist
 
 
 def test_review_sheet_shows_each_val_ok_part_once(tmp_path):
-    from pipeline.evaluate import review_sheet
-
     classes = ["crack", "ok"]
     images = np.zeros((10, 8, 8, 3), dtype=np.uint8)
     paths = [f"ok/v{i}.png" for i in range(10)]
@@ -131,8 +125,6 @@ def test_review_sheet_shows_each_val_ok_part_once(tmp_path):
     groups = np.array(["tile"] * 6 + ["a", "b", "c", "d"])
     test = (images[:1], np.ones(1, dtype=np.int64), ["ok/t0.png"], np.array([0.1]))
     review_sheet(val, test, classes, "ok", 0.96, tmp_path, val_groups=groups)
-
-    import csv
 
     with open(tmp_path / "review.csv") as f:
         listed = [r["path"] for r in csv.DictReader(f)]
