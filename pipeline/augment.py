@@ -77,12 +77,17 @@ def save_policy(compose: A.Compose, path: Path) -> None:
     A.save(compose, str(path), data_format="json")
 
 
-def apply_policy(policy: A.Compose, img: np.ndarray) -> np.ndarray:
+def apply_policy(policy: A.Compose, img: np.ndarray, mask: np.ndarray | None = None):
     """The policy on one (H, W, C) image, keeping the channel axis (albumentations drops it for one
     channel). A crop in the policy makes H and W smaller: training on tiles of the prepared image while
-    evaluation and the runner score the whole image (with ``model.global_pool: max``, the max over tiles)."""
-    out = policy(image=img)["image"]
-    return out.reshape(*out.shape[:2], img.shape[2])
+    evaluation and the runner score the whole image (with ``model.global_pool: max``, the max over tiles).
+    With a (H, W) ``mask`` it returns (image, mask), the mask moved exactly as the image (flips, turns,
+    crops, affine moves) and left alone by pixel-level transforms (gamma, noise)."""
+    if mask is None:
+        out = policy(image=img)["image"]
+        return out.reshape(*out.shape[:2], img.shape[2])
+    res = policy(image=img, mask=mask)
+    return res["image"].reshape(*res["image"].shape[:2], img.shape[2]), res["mask"]
 
 
 class ImageDataset(Dataset):
@@ -90,22 +95,35 @@ class ImageDataset(Dataset):
 
     An item key is an index, or ``(index, seed)``: the policy is then seeded for that one image, so an
     image's augmentation depends on the seed alone, not on worker count or on where a run resumed.
+    With ``masks`` ((N, H, W) uint8, see ``pipeline.prepare.MASK_UNKNOWN``) an item is (image, label,
+    mask), the mask augmented with its image.
     """
 
-    def __init__(self, images: np.ndarray, labels: np.ndarray, transform: A.Compose | None = None) -> None:
-        self.images, self.labels, self.transform = images, labels, transform
+    def __init__(
+        self,
+        images: np.ndarray,
+        labels: np.ndarray,
+        transform: A.Compose | None = None,
+        masks: np.ndarray | None = None,
+    ) -> None:
+        self.images, self.labels, self.transform, self.masks = images, labels, transform, masks
 
     def __len__(self) -> int:
         return len(self.labels)
 
-    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, int]:
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple:
         i, seed = key if isinstance(key, tuple) else (key, None)
         img = self.images[i]
+        mask = self.masks[i] if self.masks is not None else None
         if self.transform is not None:
             if seed is not None:
                 seed_policy(self.transform, seed)
-            img = apply_policy(self.transform, img)
-        return torch.from_numpy(np.ascontiguousarray(img)), int(self.labels[i])
+            if mask is None:
+                img = apply_policy(self.transform, img)
+            else:
+                img, mask = apply_policy(self.transform, img, mask)
+        item = (torch.from_numpy(np.ascontiguousarray(img)), int(self.labels[i]))
+        return item if mask is None else (*item, torch.from_numpy(np.ascontiguousarray(mask)))
 
 
 def balance_copies(

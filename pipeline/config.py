@@ -92,6 +92,7 @@ class TrainConfig:
     label_smoothing: float
     focal_gamma: float  # focal loss: (1 - p(true class)) ** gamma scales each image's cross-entropy; 0 = plain
     ranking_loss: float  # weight of a pairwise defect-vs-OK ranking term added to the cross-entropy; 0 = off
+    mask_loss: float  # weight of the mask head's loss (where the data has defect masks); 0 = off
     grad_clip: float  # max global gradient norm; 0 = off
     ema: float  # decay of the exponential moving average of the weights; 0 = off
     # picks the kept model and drives early stopping; last: the final epoch (the end of the cosine schedule)
@@ -302,7 +303,7 @@ def _check_values(p: Params) -> None:
             "train.early_stopping_patience: needs a val monitor (val_loss, val_auc or val_recall_at_far); "
             "with train.monitor: last every epoch is the newest, so nothing would ever stop"
         )
-    for key in ("focal_gamma", "ranking_loss"):
+    for key in ("focal_gamma", "ranking_loss", "mask_loss"):
         if getattr(t, key) < 0:
             problems.append(f"train.{key}: must be >= 0 (0 = off), got {getattr(t, key)}")
     if not 0 <= t.ema < 1:

@@ -20,21 +20,17 @@ from pathlib import Path
 import numpy as np
 import torch
 from captum.attr import LayerAttribution, LayerGradCam
-from PIL import Image
 from torch import nn
 
-from serving.preprocess import resize_image
+from pipeline.model import feature_layer
+from pipeline.prepare import load_mask
 
 log = logging.getLogger(__name__)
 
 
 def cam_layer(net: nn.Module) -> nn.Module:
     """The deepest feature layer with stride <= 16 of the timm backbone (its ``feature_info``)."""
-    info = getattr(net.backbone, "feature_info", None)
-    if not info:
-        raise ValueError(f"{type(net.backbone).__name__} has no feature_info: cannot pick a Grad-CAM layer")
-    name = [f["module"] for f in info if f["reduction"] <= 16][-1]
-    return net.backbone.get_submodule(name)
+    return net.backbone.get_submodule(feature_layer(net.backbone)[0])
 
 
 def gradcam(net: nn.Module, images: np.ndarray, targets: np.ndarray, batch_size: int = 16) -> np.ndarray:
@@ -52,21 +48,6 @@ def gradcam(net: nn.Module, images: np.ndarray, targets: np.ndarray, batch_size:
     maps = np.concatenate(out) if out else np.zeros((0, size, size), np.float32)
     peak = maps.reshape(len(maps), -1).max(axis=1).reshape(-1, 1, 1)
     return np.where(peak > 0, maps / np.maximum(peak, 1e-12), 0.0).astype(np.float32)
-
-
-def load_mask(masks_dir: Path, rel_path: str, size: int, resize: str) -> np.ndarray | None:
-    """The mask of image ``rel_path`` (``<class>/<name>.*`` -> ``masks_dir/<class>/<name>.png``), brought to
-    the model input exactly as the image was (same letterbox or squash); None when absent or empty."""
-    p = Path(rel_path)
-    path = masks_dir / p.parent / f"{p.stem}.png"
-    if not path.is_file():
-        return None
-    m = np.asarray(Image.open(path).convert("L"), dtype=np.uint8)
-    if not m.any():
-        return None
-    # Same geometry as the image; padding becomes 0 because the mask is binary-ish and padded with its mean.
-    m = resize_image((m > 127).astype(np.uint8)[:, :, None] * 255, size, resize)[:, :, 0]
-    return m > 127
 
 
 def pointing_game(maps: np.ndarray, masks: list[np.ndarray | None], tolerance: int) -> np.ndarray:

@@ -119,6 +119,36 @@ class RankingLoss(nn.Module):
         return loss
 
 
+MASK_UNKNOWN = 255  # a mask pixel not known (pipeline.prepare.MASK_UNKNOWN; this module imports torch alone)
+
+
+class MaskLoss(nn.Module):
+    """Binary cross-entropy of the mask head against the defect mask, cell by cell (mixed supervision,
+    Bozic et al., 2021: pixel labels where a dataset has them teach a small from-scratch network *where*
+    a defect is, not only that one is there).
+
+    ``masks``: (B, H, W) uint8 at the input size, 1 on the defect, 0 elsewhere, ``MASK_UNKNOWN`` on every pixel
+    of an image whose mask is not known. A cell of the (h, w) grid is a defect cell when any of its
+    pixels is, so a one-pixel crack still marks its cell. Images with an unknown mask add nothing.
+    """
+
+    def __init__(self, weight: float) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, mask_logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+        known = (masks != MASK_UNKNOWN).flatten(1).any(dim=1)
+        if not known.any():
+            return mask_logits.sum() * 0.0
+        target = F.adaptive_max_pool2d((masks[known] == 1).float()[:, None], mask_logits.shape[-2:])
+        per_cell = F.binary_cross_entropy_with_logits(mask_logits[known].float(), target, reduction="none")
+        # defect cells and clean cells weigh half each: a crack covers a few of the 64 cells of a defect
+        # image and none of an OK image's, so a plain mean is nearly all "clean" and learns little of where
+        pos = target > 0.5
+        halves = [per_cell[sel].mean() for sel in (pos, ~pos) if sel.any()]
+        return self.weight * torch.stack(halves).mean()
+
+
 class EMA:
     """Exponential moving average of the trainable weights (``decay`` 0: off, every method a no-op).
 
@@ -175,6 +205,7 @@ class EpochProgress:
 
     step: int = 0  # batches done
     loss_sum: float = 0.0
+    mask_loss_sum: float = 0.0  # the mask head's share of loss_sum (train.mask_loss)
     correct: int = 0
     seen: int = 0
     elapsed: float = 0.0  # seconds spent training in this epoch (all sessions)
@@ -207,17 +238,20 @@ def train_one_epoch(
     checkpoint_due: Callable[[EpochProgress], bool] | None = None,
     checkpoint: Callable[[EpochProgress], None] | None = None,
     sync_every: int = 10,
+    mask_criterion: MaskLoss | None = None,
 ) -> dict:
     """Train over ``loader`` from ``progress.step`` on; return the epoch's figures (global over ranks).
 
     When ``checkpoint_due(progress)`` says so after a step, the loss is checked (on every rank) and
     ``checkpoint(progress)`` saves. A NaN or inf loss raises ``NonFiniteLoss`` before any checkpoint
     could record the broken weights. The running sums stay on the device between checks, so a GPU is
-    not stalled by a host sync every step.
+    not stalled by a host sync every step. With ``mask_criterion`` the loader also yields masks and the
+    model's mask head is trained beside the classifier (``MaskLoss``).
     """
     model.train()
     dev = rt.device
     loss_sum = torch.tensor(progress.loss_sum, dtype=torch.float64, device=dev)
+    mask_sum = torch.tensor(progress.mask_loss_sum, dtype=torch.float64, device=dev)
     correct = torch.tensor(progress.correct, dtype=torch.float64, device=dev)
     seen0, t0 = progress.seen, time.perf_counter() - progress.elapsed
     sampler = getattr(loader, "batch_sampler", None)
@@ -245,14 +279,20 @@ def train_one_epoch(
     while True:
         t_wait = time.perf_counter()
         try:
-            x, y = next(batches)  # x: (B, H, W, C) uint8, y: (B,) int64
+            x, y, *masks = next(batches)  # x: (B, H, W, C) uint8, y: (B,) int64, masks: [(B, H, W) uint8]
         except StopIteration:
             break
         waited += time.perf_counter() - t_wait  # time the step stood idle, waiting for the data loader
         x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
         with rt.autocast():
-            logits = model(x)
-            loss = criterion(logits.float(), y)
+            if mask_criterion is not None and masks:
+                logits, mask_logits = model(x, with_mask=True)
+                mask_loss = mask_criterion(mask_logits, masks[0].to(dev, non_blocking=True))
+                loss = criterion(logits.float(), y) + mask_loss
+                mask_sum += mask_loss.detach().double() * len(y)
+            else:
+                logits = model(x)
+                loss = criterion(logits.float(), y)
         optimizer.zero_grad(set_to_none=True)
         rt.scaler.scale(loss).backward()
         if grad_clip > 0:
@@ -274,14 +314,18 @@ def train_one_epoch(
             bar.set_postfix(loss=f"{mean_loss:.3f}", img_s=f"{(n - seen0 * d.world_size) / max(elapsed, 1e-9):.0f}")
         if due:
             progress.loss_sum, progress.correct = loss_sum.item(), int(correct.item())
+            progress.mask_loss_sum = mask_sum.item()
             progress.elapsed = time.perf_counter() - t0
             checkpoint(progress)
     bar.close()
     mean_loss, acc, n = synced()
     progress.loss_sum, progress.correct = loss_sum.item(), int(correct.item())
+    progress.mask_loss_sum = mask_sum.item()
     progress.elapsed = time.perf_counter() - t0
-    return {
-        "train_loss": mean_loss,
+    figures = {"train_loss": mean_loss}
+    if mask_criterion is not None:  # the mask head's part of train_loss, on this rank's images
+        figures["train_mask_loss"] = progress.mask_loss_sum / max(progress.seen, 1)
+    return figures | {
         "train_acc": acc,
         "train_img_s": n / max(progress.elapsed, 1e-9),
         "data_wait_share": waited / max(progress.elapsed, 1e-9),  # of this epoch's training time

@@ -20,6 +20,16 @@ from pipeline.config import ConfigError, ModelConfig
 log = logging.getLogger(__name__)
 
 
+def feature_layer(backbone: nn.Module, max_reduction: int = 16) -> tuple[str, int]:
+    """Name and channel count of the deepest feature layer of a timm backbone with stride <= ``max_reduction``
+    (from its ``feature_info``): 8 x 8 cells at 128 px, fine enough to say where a crack is."""
+    info = getattr(backbone, "feature_info", None)
+    if not info:
+        raise ValueError(f"{type(backbone).__name__} has no feature_info: cannot pick a feature layer")
+    f = [f for f in info if f["reduction"] <= max_reduction][-1]
+    return f["module"], f["num_chs"]
+
+
 class DefectNet(nn.Module):
     def __init__(
         self, backbone: nn.Module, mean: tuple[float, ...], std: tuple[float, ...], per_image: bool = False
@@ -27,12 +37,26 @@ class DefectNet(nn.Module):
         super().__init__()
         self.backbone = backbone
         self.per_image = per_image
+        self.mask_head: nn.Module | None = None
+        self._features: torch.Tensor | None = None
         # (1, C, 1, 1) so they broadcast over NCHW; scaled to the 0..255 pixel range once, here.
         self.register_buffer("mean", torch.tensor(mean).view(1, -1, 1, 1) * 255.0, persistent=False)
         self.register_buffer("inv_std", 1.0 / (torch.tensor(std).view(1, -1, 1, 1) * 255.0), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (N, H, W, C) uint8 or float pixels 0..255 -> logits (N, K)."""
+    def add_mask_head(self) -> None:
+        """A training-only 1x1 convolution on the stride-16 features that predicts, cell by cell, whether the
+        defect mask covers it (``train.mask_loss``). The classifier is untouched: the head only shapes the
+        features it pools, and it is left out of the saved model, the export and the runner."""
+        name, channels = feature_layer(self.backbone)
+        self.mask_head = nn.Conv2d(channels, 1, kernel_size=1)
+        self.backbone.get_submodule(name).register_forward_hook(self._keep_features)
+
+    def _keep_features(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        self._features = output if self.mask_head is not None else None
+
+    def forward(self, x: torch.Tensor, with_mask: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x: (N, H, W, C) uint8 or float pixels 0..255 -> logits (N, K); with ``with_mask`` also the mask
+        head's logits (N, 1, h, w) at the stride-16 grid."""
         x = x.permute(0, 3, 1, 2).float()  # NCHW view of NHWC memory: already channels_last
         if self.per_image:
             # Each image to zero mean, unit std over all its pixels: the global brightness and contrast of
@@ -40,8 +64,16 @@ class DefectNet(nn.Module):
             # The +1 (in 0..255 units) keeps a flat image from being blown up to noise.
             mean = x.mean(dim=(1, 2, 3), keepdim=True)
             std = ((x - mean) ** 2).mean(dim=(1, 2, 3), keepdim=True).sqrt()
-            return self.backbone((x - mean) / (std + 1.0))
-        return self.backbone((x - self.mean) * self.inv_std)
+            x = (x - mean) / (std + 1.0)
+        else:
+            x = (x - self.mean) * self.inv_std
+        logits = self.backbone(x)
+        if not with_mask:
+            return logits
+        if self.mask_head is None or self._features is None:
+            raise RuntimeError("with_mask=True needs add_mask_head() first")
+        features, self._features = self._features, None
+        return logits, self.mask_head(features)
 
 
 class Ensemble(nn.Module):

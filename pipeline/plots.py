@@ -52,6 +52,8 @@ def members_curves_plot(
     fig, ax = plt.subplots(figsize=(6, 3.5))
     styles = ["-", "--", ":", "-."]
     for i, k in enumerate(keys):
+        if not all(history and k in history[0] for history in histories):
+            continue  # a figure this run does not record (train_mask_loss without masks)
         colour = f"C{i}"
         for m, history in enumerate(histories):
             label = k if len(histories) == 1 else f"{k}, member {m}"

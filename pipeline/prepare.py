@@ -4,8 +4,9 @@ The split of an image follows from its near-duplicate group's hash, not from its
 adding new images never moves an existing image to another split (so the test set does not churn
 between retrains), and near-duplicates never straddle train/val/test.
 Each split is one ``.npz`` of (N, S, S, C) uint8 images resized by ``serving.preprocess.load_image``
-(the one decode+resize implementation), so an epoch never re-decodes a JPEG, with their labels, paths
-and near-duplicate groups.
+(the one decode+resize implementation), so an epoch never re-decodes a JPEG, with their labels, paths,
+near-duplicate groups and defect masks (``masks``: (N, S, S) uint8 brought to the input exactly as
+the image was; see ``mask_for``).
 """
 
 from __future__ import annotations
@@ -16,13 +17,43 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
 from tqdm import tqdm
 
 from pipeline.config import PrepareConfig
-from serving.preprocess import load_image
+from serving.preprocess import load_image, resize_image
 
 log = logging.getLogger(__name__)
 SPLITS = ("train", "val", "test")
+MASK_UNKNOWN = 255  # every pixel of a mask that is not known: a defect image without a mask file
+
+
+def load_mask(masks_dir: Path, rel_path: str, size: int, resize: str) -> np.ndarray | None:
+    """The mask of image ``rel_path`` (``<class>/<name>.*`` -> ``masks_dir/<class>/<name>.png``), brought to
+    the model input exactly as the image was (same letterbox or squash); None when absent or empty."""
+    p = Path(rel_path)
+    path = masks_dir / p.parent / f"{p.stem}.png"
+    if not path.is_file():
+        return None
+    m = np.asarray(Image.open(path).convert("L"), dtype=np.uint8)
+    if not m.any():
+        return None
+    # Same geometry as the image; padding becomes 0 because the mask is binary-ish and padded with its mean.
+    m = resize_image((m > 127).astype(np.uint8)[:, :, None] * 255, size, resize)[:, :, 0]
+    return m > 127
+
+
+def mask_for(masks_dir: Path | None, row: dict, ok_class: str, size: int, resize: str) -> np.ndarray:
+    """(S, S) uint8 training target: 1 on the defect, 0 elsewhere; all 0 for an OK image (nothing to
+    find there); all ``MASK_UNKNOWN`` for a defect image without a usable mask (a missing or empty file,
+    or a defect too small to survive the resize: a defect image is never "all clear"), which the mask
+    loss then skips. ``masks_dir`` None: the dataset has no masks; every mask unknown."""
+    if masks_dir is None:
+        return np.full((size, size), MASK_UNKNOWN, np.uint8)
+    if row["label"] == ok_class:
+        return np.zeros((size, size), np.uint8)
+    m = load_mask(masks_dir, row["path"], size, resize)
+    return np.full((size, size), MASK_UNKNOWN, np.uint8) if m is None or not m.any() else m.astype(np.uint8)
 
 
 def split_of(group: str, cfg: PrepareConfig) -> str:
@@ -66,9 +97,17 @@ def prepare(
     channels: int,
     cfg: PrepareConfig,
     out_dir: Path,
+    masks_dir: Path | None = None,
 ) -> dict:
+    """``masks_dir``: the defect masks (``<class>/<stem>.png``, as ingest lays them out), if any; without a
+    single defect mask there, no mask is known, OK images' included (nothing would teach where defects are)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     splits = assign_splits(manifest, cfg)
+    has_masks = masks_dir is not None and any(
+        (masks_dir / Path(r["path"]).parent / f"{Path(r['path']).stem}.png").is_file()
+        for r in manifest
+        if r["label"] != ok_class
+    )
     summary: dict = {
         "classes": classes,
         "ok_class": ok_class,
@@ -89,8 +128,14 @@ def prepare(
         x = np.stack(images) if images else np.zeros((0, cfg.image_size, cfg.image_size, channels), np.uint8)
         y = np.array([classes.index(r["label"]) for r in rows], dtype=np.int64)
         paths, groups = np.array([r["path"] for r in rows]), np.array([r["group"] for r in rows])
-        np.savez(out_dir / f"{name}.npz", images=x, labels=y, paths=paths, groups=groups)
+        s = cfg.image_size
+        masks = np.zeros((len(rows), s, s), np.uint8)
+        for i, r in enumerate(rows):
+            masks[i] = mask_for(masks_dir if has_masks else None, r, ok_class, s, cfg.resize)
+        np.savez(out_dir / f"{name}.npz", images=x, labels=y, paths=paths, groups=groups, masks=masks)
         summary["splits"][name] = {c: int((y == i).sum()) for i, c in enumerate(classes)}
+        known = int((masks != MASK_UNKNOWN).any(axis=(1, 2)).sum())
+        summary.setdefault("masks_known", {})[name] = known
     (out_dir / "prepare.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
@@ -99,6 +144,12 @@ def load_split(prepared_dir: Path, name: str) -> tuple[np.ndarray, np.ndarray, l
     """(N, S, S, C) uint8 images, (N,) int64 labels and relative paths of one split."""
     with np.load(prepared_dir / f"{name}.npz") as z:
         return z["images"], z["labels"], [str(p) for p in z["paths"]]
+
+
+def load_masks(prepared_dir: Path, name: str) -> np.ndarray | None:
+    """(N, S, S) uint8 masks of a split (``mask_for``), or None for data prepared before masks were kept."""
+    with np.load(prepared_dir / f"{name}.npz") as z:
+        return z["masks"] if "masks" in z.files else None
 
 
 def load_groups(prepared_dir: Path, name: str) -> np.ndarray:

@@ -34,11 +34,20 @@ from pipeline import checkpoint, distributed, tracking
 from pipeline.augment import ImageDataset, build_policy
 from pipeline.config import ConfigError, Params, as_flat_dict
 from pipeline.distributed import Dist, unwrap
-from pipeline.loop import EMA, EpochBatches, EpochProgress, FocalLoss, RankingLoss, predict_logits, train_one_epoch
+from pipeline.loop import (
+    EMA,
+    EpochBatches,
+    EpochProgress,
+    FocalLoss,
+    MaskLoss,
+    RankingLoss,
+    predict_logits,
+    train_one_epoch,
+)
 from pipeline.metrics import binary_metrics, group_weights, roc_auc, softmax, threshold_for_false_alarms
 from pipeline.model import DefectNet, Ensemble, create_model
 from pipeline.plots import curves_plot, members_curves_plot
-from pipeline.prepare import load_groups, load_split, read_summary
+from pipeline.prepare import MASK_UNKNOWN, load_groups, load_masks, load_split, read_summary
 from pipeline.runtime import Runtime, resolve_runtime
 from pipeline.warmstart import WarmStart, resolve_init
 
@@ -46,7 +55,7 @@ log = logging.getLogger(__name__)
 
 # The curves every training run draws from its per-epoch history: (keys, title, file).
 CURVES = [
-    (["train_loss", "val_loss"], "loss", "loss.png"),
+    (["train_loss", "val_loss", "train_mask_loss"], "loss", "loss.png"),
     (["train_acc", "val_acc"], "accuracy", "accuracy.png"),
     (["val_auc", "val_recall_at_far"], "defect vs OK on val", "val_defect.png"),
 ]
@@ -71,6 +80,21 @@ def load_train_split(prepared_dir: Path) -> tuple[np.ndarray, np.ndarray]:
             if len(z["labels"]):
                 x, y = np.concatenate([x, z["images"]]), np.concatenate([y, z["labels"]])
     return x, y
+
+
+def train_masks(prepared_dir: Path, n: int) -> np.ndarray | None:
+    """The training split's defect masks for ``train.mask_loss``, the balancing copies' marked unknown (they
+    are augmented without their masks); None when no training image has a known mask (nothing to learn
+    where a defect is from, so no mask head is trained)."""
+    masks = load_masks(prepared_dir, "train")
+    if masks is None or not (masks != MASK_UNKNOWN).any():
+        log.info("train.mask_loss: no defect masks in the prepared data (<source>_masks); classifier alone")
+        return None
+    if n > len(masks):
+        masks = np.concatenate([masks, np.full((n - len(masks), *masks.shape[1:]), MASK_UNKNOWN, np.uint8)])
+    known = (masks != MASK_UNKNOWN).any(axis=(1, 2))
+    log.info("train.mask_loss: masks known for %d of %d training images", int(known.sum()), n)
+    return masks
 
 
 # The code that shapes the weights: a checkpoint written by other code is not resumed (DVC reruns the
@@ -167,8 +191,12 @@ def full_model_state(model: nn.Module, d: Dist) -> dict[str, torch.Tensor]:
     if d.mode == "fsdp":
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {k: v.detach().cpu().clone() for k, v in unwrap(model).state_dict().items()}
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        state = {k: v.detach().cpu().clone() for k, v in unwrap(model).state_dict().items()}
+    # the mask head (train.mask_loss) only teaches the features during training: evaluate, export and
+    # the runner use the classifier alone, so the saved model is the plain network
+    return {k: v for k, v in state.items() if not k.startswith("mask_head.")}
 
 
 def save_model(state: dict[str, torch.Tensor], meta: dict, path: Path) -> None:
@@ -231,7 +259,13 @@ def set_local_buffers(model: nn.Module, buffers: dict[str, torch.Tensor]) -> Non
 
 
 def build_model(
-    params: Params, num_classes: int, channels: int, rt: Runtime, d: Dist, init: WarmStart | None = None
+    params: Params,
+    num_classes: int,
+    channels: int,
+    rt: Runtime,
+    d: Dist,
+    init: WarmStart | None = None,
+    with_mask_head: bool = False,
 ) -> nn.Module:
     """The network on its device (warm-started where asked), channels_last, DDP/FSDP, compiled if asked."""
     cfg = params.train
@@ -239,6 +273,8 @@ def build_model(
     model = create_model(params.model, num_classes, channels)
     if init is not None:
         init.load_into(model, params.model.name)
+    if with_mask_head:
+        model.add_mask_head()
     model = model.to(rt.device)
     channels_last = cfg.channels_last and d.mode != "fsdp"
     if cfg.channels_last and not channels_last:
@@ -377,9 +413,10 @@ def _train(
     x_tr, y_tr = load_train_split(prepared_dir)
     x_va, y_va, _ = load_split(prepared_dir, "val")
     g_va = load_groups(prepared_dir, "val")
+    m_tr = train_masks(prepared_dir, len(y_tr)) if cfg.mask_loss > 0 else None
     sampler = EpochBatches(y_tr, cfg.batch_size, cfg.seed, d.rank, d.world_size, cfg.class_weighting == "sampling")
     loader = DataLoader(
-        ImageDataset(x_tr, y_tr, build_policy(params.augment.policy)),
+        ImageDataset(x_tr, y_tr, build_policy(params.augment.policy), masks=m_tr),
         batch_sampler=sampler,
         num_workers=cfg.num_workers,
         pin_memory=rt.device.type == "cuda",
@@ -389,7 +426,7 @@ def _train(
     steps = len(sampler)
 
     init = resolve_init(params)
-    model = build_model(params, len(classes), channels, rt, d, init)
+    model = build_model(params, len(classes), channels, rt, d, init, with_mask_head=m_tr is not None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, warmup_cosine(cfg.warmup_epochs * steps, cfg.epochs * steps)
@@ -402,6 +439,7 @@ def _train(
     else:
         ce = nn.CrossEntropyLoss(weight=weight, label_smoothing=cfg.label_smoothing)
     criterion = RankingLoss(ok_index, cfg.ranking_loss, ce)
+    mask_criterion = MaskLoss(cfg.mask_loss) if m_tr is not None else None
     eval_criterion = nn.CrossEntropyLoss()
     torch.manual_seed(cfg.seed * 7919 + d.rank)  # this rank's dropout stream from here on
 
@@ -513,6 +551,7 @@ def _train(
                 desc=f"epoch {epoch + 1}/{cfg.epochs}",
                 checkpoint_due=due,
                 checkpoint=mid_epoch_checkpoint,
+                mask_criterion=mask_criterion,
             )
             distributed.average_batchnorm_stats(model, d)
             with ema.applied(model):  # validate (and keep) the averaged weights when EMA is on

@@ -18,6 +18,7 @@ def main(params):
         params.data.channels,
         params.prepare,
         Path("data/prepared"),
+        masks_dir=Path("data/raw/masks"),
     )
     print(f"prepare: {summary['splits']}")
 

@@ -38,6 +38,7 @@ def test_the_shipped_params_load():
         (lambda p: p["train"].pop("init_from"), "train.init_from: missing key"),
         (lambda p: p["train"].update(monitor="last", early_stopping_patience=3), "train.early_stopping_patience"),
         (lambda p: p["train"].update(focal_gamma=-2), "train.focal_gamma: must be >= 0 (0 = off), got -2"),
+        (lambda p: p["train"].update(mask_loss=-1.0), "train.mask_loss: must be >= 0 (0 = off), got -1.0"),
     ],
 )
 def test_a_mistake_names_the_key(mutate, message):
