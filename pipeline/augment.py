@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import Dataset
 
 from pipeline.config import ConfigError
+from pipeline.prepare import MASK_UNKNOWN
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +119,11 @@ class ImageDataset(Dataset):
         if self.transform is not None:
             if seed is not None:
                 seed_policy(self.transform, seed)
-            if mask is None:
+            if mask is None or (mask == MASK_UNKNOWN).all():
+                # an unknown mask stays unknown: moved with the image, a rotation or shift would fill its
+                # new border with 0 ("no defect here") and make a defect image's mask look known and clear
                 img = apply_policy(self.transform, img)
+                mask = None if mask is None else np.full(img.shape[:2], MASK_UNKNOWN, np.uint8)
             else:
                 img, mask = apply_policy(self.transform, img, mask)
         item = (torch.from_numpy(np.ascontiguousarray(img)), int(self.labels[i]))

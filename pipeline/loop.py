@@ -122,14 +122,25 @@ class RankingLoss(nn.Module):
 MASK_UNKNOWN = 255  # a mask pixel not known (pipeline.prepare.MASK_UNKNOWN; this module imports torch alone)
 
 
+def cell_size(pixels: int, cells: int) -> int:
+    """The stride that cut ``pixels`` into ``cells``: the smallest power of two with cells * stride >= pixels
+    (a CNN's strides are powers of two, and its last cell is partial when the side is no multiple)."""
+    stride = 1
+    while stride * cells < pixels:
+        stride *= 2
+    return stride
+
+
 class MaskLoss(nn.Module):
     """Binary cross-entropy of the mask head against the defect mask, cell by cell (mixed supervision,
     Bozic et al., 2021: pixel labels where a dataset has them teach a small from-scratch network *where*
     a defect is, not only that one is there).
 
     ``masks``: (B, H, W) uint8 at the input size, 1 on the defect, 0 elsewhere, ``MASK_UNKNOWN`` on every pixel
-    of an image whose mask is not known. A cell of the (h, w) grid is a defect cell when any of its
-    pixels is, so a one-pixel crack still marks its cell. Images with an unknown mask add nothing.
+    of an image whose mask is not known. The head's (h, w) grid has cells of the network's stride, as its
+    strided convolutions cut them (the last row and column partial when H is no multiple of it); a cell
+    is a defect cell when any of its pixels is, so a one-pixel crack still marks its cell.
+    Images with an unknown mask add nothing. No host sync: the loss stays on the device.
     """
 
     def __init__(self, weight: float) -> None:
@@ -137,16 +148,22 @@ class MaskLoss(nn.Module):
         self.weight = weight
 
     def forward(self, mask_logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
-        known = (masks != MASK_UNKNOWN).flatten(1).any(dim=1)
-        if not known.any():
-            return mask_logits.sum() * 0.0
-        target = F.adaptive_max_pool2d((masks[known] == 1).float()[:, None], mask_logits.shape[-2:])
-        per_cell = F.binary_cross_entropy_with_logits(mask_logits[known].float(), target, reduction="none")
-        # defect cells and clean cells weigh half each: a crack covers a few of the 64 cells of a defect
-        # image and none of an OK image's, so a plain mean is nearly all "clean" and learns little of where
-        pos = target > 0.5
-        halves = [per_cell[sel].mean() for sel in (pos, ~pos) if sel.any()]
-        return self.weight * torch.stack(halves).mean()
+        (h, w), (H, W) = mask_logits.shape[-2:], masks.shape[-2:]
+        sh, sw = cell_size(H, h), cell_size(W, w)
+        defect = F.pad((masks == 1).float()[:, None], (0, w * sw - W, 0, h * sh - H))
+        target = F.max_pool2d(defect, (sh, sw))
+        per_cell = F.binary_cross_entropy_with_logits(mask_logits.float(), target, reduction="none")
+        known = (masks != MASK_UNKNOWN).flatten(1).any(dim=1)[:, None, None, None]
+        per_cell = torch.where(known, per_cell, 0.0)  # an unknown image's head adds nothing, even an inf logit
+        known = known.float()
+        # defect cells and clear cells weigh half each: a crack covers a few of the 64 cells of a defect
+        # image and none of an OK image's, so a plain mean is nearly all "clear" and learns little of where
+        pos, neg = target * known, (1 - target) * known
+        n_pos, n_neg = pos.sum(), neg.sum()
+        halves = (n_pos > 0).float() + (n_neg > 0).float()  # 0 when nothing in the batch is known: no loss
+        pos_mean = (per_cell * pos).sum() / n_pos.clamp_min(1)
+        neg_mean = (per_cell * neg).sum() / n_neg.clamp_min(1)
+        return self.weight * (pos_mean + neg_mean) / halves.clamp_min(1)
 
 
 class EMA:
@@ -205,7 +222,7 @@ class EpochProgress:
 
     step: int = 0  # batches done
     loss_sum: float = 0.0
-    mask_loss_sum: float = 0.0  # the mask head's share of loss_sum (train.mask_loss)
+    mask_loss_sum: float = 0.0  # the mask head's loss (train.mask_loss); loss_sum holds the class loss
     correct: int = 0
     seen: int = 0
     elapsed: float = 0.0  # seconds spent training in this epoch (all sessions)
@@ -258,22 +275,27 @@ def train_one_epoch(
     total = len(sampler) if sampler is not None else len(loader)
     bar = tqdm(total=total, initial=progress.step, desc=desc, unit="batch", leave=False, disable=not d.is_main)
 
-    def synced() -> tuple[float, float, float]:
-        """Global mean loss, accuracy and image count; raises on a non-finite loss or weight (all ranks)."""
+    def synced() -> tuple[float, float, float, float]:
+        """Global mean class loss, accuracy, image count and mean mask loss; raises on a non-finite loss or
+        weight (all ranks)."""
         bad_weights = sum(~torch.isfinite(local(p.detach())).all() for p in model.parameters())
         seen = torch.tensor(float(progress.seen), dtype=torch.float64, device=dev)
-        stats = torch.stack([loss_sum, correct, seen, torch.as_tensor(bad_weights, dtype=torch.float64, device=dev)])
+        bad_weights = torch.as_tensor(bad_weights, dtype=torch.float64, device=dev)
+        stats = torch.stack([loss_sum, correct, seen, bad_weights, mask_sum])
         if d.enabled:
             stats = stats.clone()
             torch.distributed.all_reduce(stats)
-        loss, corr, n, bad = stats.tolist()
-        if not math.isfinite(loss) or bad:
-            what = f"the training loss became {loss}" if not math.isfinite(loss) else "the weights became inf or NaN"
+        loss, corr, n, bad, mask = stats.tolist()
+        loss_all = loss + mask
+        if not math.isfinite(loss_all) or bad:
+            what = "the weights became inf or NaN"
+            if not math.isfinite(loss_all):
+                what = f"the training loss became {loss_all}"
             raise NonFiniteLoss(
                 f"{desc}: {what} by step {progress.step} of the epoch; stopping. "
                 "The last good checkpoint is kept (lower train.lr, or set train.grad_clip)"
             )
-        return loss / max(n, 1), corr / max(n, 1), n
+        return loss / max(n, 1), corr / max(n, 1), n, mask / max(n, 1)
 
     batches, waited = iter(loader), 0.0
     while True:
@@ -288,11 +310,12 @@ def train_one_epoch(
             if mask_criterion is not None and masks:
                 logits, mask_logits = model(x, with_mask=True)
                 mask_loss = mask_criterion(mask_logits, masks[0].to(dev, non_blocking=True))
-                loss = criterion(logits.float(), y) + mask_loss
+                class_loss = criterion(logits.float(), y)
+                loss = class_loss + mask_loss
                 mask_sum += mask_loss.detach().double() * len(y)
             else:
                 logits = model(x)
-                loss = criterion(logits.float(), y)
+                loss = class_loss = criterion(logits.float(), y)
         optimizer.zero_grad(set_to_none=True)
         rt.scaler.scale(loss).backward()
         if grad_clip > 0:
@@ -302,14 +325,14 @@ def train_one_epoch(
         rt.scaler.update()
         scheduler.step()
         ema.update(model)
-        loss_sum += loss.detach().double() * len(y)
+        loss_sum += class_loss.detach().double() * len(y)  # train_loss: the class loss, like val_loss
         correct += (logits.detach().argmax(1) == y).sum().double()
         progress.seen += len(y)
         progress.step += 1
         bar.update(1)
         due = checkpoint is not None and checkpoint_due is not None and checkpoint_due(progress)
         if due or progress.step % sync_every == 0:
-            mean_loss, _, n = synced()
+            mean_loss, _, n, _ = synced()
             elapsed = time.perf_counter() - t0
             bar.set_postfix(loss=f"{mean_loss:.3f}", img_s=f"{(n - seen0 * d.world_size) / max(elapsed, 1e-9):.0f}")
         if due:
@@ -318,13 +341,13 @@ def train_one_epoch(
             progress.elapsed = time.perf_counter() - t0
             checkpoint(progress)
     bar.close()
-    mean_loss, acc, n = synced()
+    mean_loss, acc, n, mean_mask_loss = synced()
     progress.loss_sum, progress.correct = loss_sum.item(), int(correct.item())
     progress.mask_loss_sum = mask_sum.item()
     progress.elapsed = time.perf_counter() - t0
     figures = {"train_loss": mean_loss}
-    if mask_criterion is not None:  # the mask head's part of train_loss, on this rank's images
-        figures["train_mask_loss"] = progress.mask_loss_sum / max(progress.seen, 1)
+    if mask_criterion is not None:  # the mask head's loss; the gradient follows train_loss + train_mask_loss
+        figures["train_mask_loss"] = mean_mask_loss
     return figures | {
         "train_acc": acc,
         "train_img_s": n / max(progress.elapsed, 1e-9),

@@ -38,7 +38,8 @@ class DefectNet(nn.Module):
         self.backbone = backbone
         self.per_image = per_image
         self.mask_head: nn.Module | None = None
-        self._features: torch.Tensor | None = None
+        self._features: torch.Tensor | None = None  # the hooked layer's output, kept for one with_mask call
+        self._keep = False
         # (1, C, 1, 1) so they broadcast over NCHW; scaled to the 0..255 pixel range once, here.
         self.register_buffer("mean", torch.tensor(mean).view(1, -1, 1, 1) * 255.0, persistent=False)
         self.register_buffer("inv_std", 1.0 / (torch.tensor(std).view(1, -1, 1, 1) * 255.0), persistent=False)
@@ -52,7 +53,14 @@ class DefectNet(nn.Module):
         self.backbone.get_submodule(name).register_forward_hook(self._keep_features)
 
     def _keep_features(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-        self._features = output if self.mask_head is not None else None
+        if not self._keep:  # evaluation and inference: nothing held on to
+            return
+        if output.ndim != 4:
+            raise ConfigError(
+                f"train.mask_loss: the features of {type(self.backbone).__name__} are not a spatial grid "
+                f"(shape {tuple(output.shape)}), so there is no cell to mark a defect in; set train.mask_loss: 0"
+            )
+        self._features = output
 
     def forward(self, x: torch.Tensor, with_mask: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x: (N, H, W, C) uint8 or float pixels 0..255 -> logits (N, K); with ``with_mask`` also the mask
@@ -67,12 +75,18 @@ class DefectNet(nn.Module):
             x = (x - mean) / (std + 1.0)
         else:
             x = (x - self.mean) * self.inv_std
-        logits = self.backbone(x)
+        if with_mask and self.mask_head is None:
+            raise RuntimeError("with_mask=True needs add_mask_head() first")
+        self._keep, self._features = with_mask, None
+        try:
+            logits = self.backbone(x)
+        finally:
+            self._keep = False
         if not with_mask:
             return logits
-        if self.mask_head is None or self._features is None:
-            raise RuntimeError("with_mask=True needs add_mask_head() first")
         features, self._features = self._features, None
+        if features is None:
+            raise RuntimeError("the mask head's feature hook did not fire in this forward pass")
         return logits, self.mask_head(features)
 
 

@@ -38,8 +38,8 @@ def load_mask(masks_dir: Path, rel_path: str, size: int, resize: str) -> np.ndar
     m = np.asarray(Image.open(path).convert("L"), dtype=np.uint8)
     if not m.any():
         return None
-    # Same geometry as the image; padding becomes 0 because the mask is binary-ish and padded with its mean.
-    m = resize_image((m > 127).astype(np.uint8)[:, :, None] * 255, size, resize)[:, :, 0]
+    # Same geometry as the image; the letterbox padding is no defect.
+    m = resize_image((m > 127).astype(np.uint8)[:, :, None] * 255, size, resize, fill=0)[:, :, 0]
     return m > 127
 
 

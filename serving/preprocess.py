@@ -84,12 +84,13 @@ def decode_image(
     return arr.reshape(arr.shape[0], arr.shape[1], channels)
 
 
-def resize_image(img: np.ndarray, size: int, mode: str) -> np.ndarray:
+def resize_image(img: np.ndarray, size: int, mode: str, fill: int | None = None) -> np.ndarray:
     """Resize (H, W, C) uint8 to (size, size, C) uint8.
 
     ``squash`` stretches to a square. ``letterbox`` keeps the aspect ratio (thin defects in long images
     stay thin lines instead of being squeezed away) and pads the short side with the image's mean
-    colour, so the padding adds no strong artificial edge.
+    colour, so the padding adds no strong artificial edge; ``fill`` pads with that value instead (a
+    defect mask: its padding is no defect, whatever share of the image the defect covers).
     """
     h, w, c = img.shape
     if mode not in ("letterbox", "squash"):
@@ -101,9 +102,9 @@ def resize_image(img: np.ndarray, size: int, mode: str) -> np.ndarray:
     scale = size / max(h, w)
     nw, nh = max(1, round(w * scale)), max(1, round(h * scale))
     small = np.asarray(pil.resize((nw, nh), Image.Resampling.BILINEAR), dtype=np.uint8).reshape(nh, nw, c)
-    fill = img.reshape(-1, c).mean(axis=0).round().astype(np.uint8)
+    pad = img.reshape(-1, c).mean(axis=0).round().astype(np.uint8) if fill is None else np.uint8(fill)
     out = np.empty((size, size, c), dtype=np.uint8)
-    out[:] = fill
+    out[:] = pad
     top, left = (size - nh) // 2, (size - nw) // 2
     out[top : top + nh, left : left + nw] = small
     return out

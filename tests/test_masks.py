@@ -61,6 +61,15 @@ def test_prepared_masks_follow_their_images_and_say_what_is_not_known(tmp_path):
     assert (load_masks(tmp_path / "out2", "train") == MASK_UNKNOWN).all()
 
 
+def test_the_letterbox_padding_of_a_mask_is_no_defect_however_large_the_defect(tmp_path):
+    big = np.zeros((40, 80), np.uint8)
+    big[:, 10:] = 255  # the defect covers 7/8 of a wide image: its mean colour is "defect"
+    write_png(tmp_path / "dent" / "a.png", big)
+    m = load_mask(tmp_path, "dent/a.jpg", 32, "letterbox")  # 80x40 -> 32x16, 8 px padding above and below
+    assert not m[:8].any() and not m[24:].any()
+    assert m[8:24, 8:].all() and not m[8:24, :3].any()
+
+
 def test_the_augmentation_moves_a_mask_exactly_as_its_image():
     img = np.zeros((1, 16, 16, 3), np.uint8)
     img[0, 2:5, 1:3] = 200  # a bright mark, upper left
@@ -80,7 +89,14 @@ def test_the_augmentation_moves_a_mask_exactly_as_its_image():
     unknown = np.full((1, 16, 16), MASK_UNKNOWN, np.uint8)
     _, _, m = ImageDataset(img, np.array([1]), policy, masks=unknown)[(0, 1)]
     assert (m.numpy() == MASK_UNKNOWN).all()
-    assert len(ImageDataset(img, np.array([1]), policy)[(0, 1)]) == 2  # no masks: (image, label) as before
+    # a rotation fills the new corners of a moved mask with 0: an unknown mask must not come out "clear there"
+    turn = build_policy([{"name": "Affine", "rotate": [40, 50], "p": 1.0}])
+    for seed in range(3):
+        _, _, m = ImageDataset(img, np.array([1]), turn, masks=unknown)[(0, seed)]
+        assert (m.numpy() == MASK_UNKNOWN).all()
+    crop = build_policy([{"name": "RandomCrop", "height": 12, "width": 12}])  # a crop: the mask shrinks with it
+    x, _, m = ImageDataset(img, np.array([1]), crop, masks=unknown)[(0, 1)]
+    assert m.shape == x.shape[:2] == (12, 12) and (m.numpy() == MASK_UNKNOWN).all()
 
 
 def test_mask_loss_marks_the_cell_of_a_one_pixel_defect_and_skips_unknown_masks():
@@ -104,7 +120,23 @@ def test_mask_loss_marks_the_cell_of_a_one_pixel_defect_and_skips_unknown_masks(
     assert torch.allclose(loss(only_miss, masks), torch.tensor(0.5 * 6.0025), atol=0.01)
     assert loss(only_false, masks) < loss(only_miss, masks) / 10
     assert loss(right[2:], masks[2:]) == 0  # nothing known in the batch: no loss, and no error
+    head = right[2:].clone().requires_grad_()
+    loss(head, masks[2:]).backward()
+    assert head.grad is not None and not head.grad.any()  # still in the graph (DDP needs it), zero gradient
+    inf = right.clone()
+    inf[2] = float("inf")  # an unknown image whose head overflowed (fp16) leaves the loss finite
+    assert torch.isfinite(loss(inf, masks))
     assert MaskLoss(3.0)(wrong, masks) == pytest.approx(3 * loss(wrong, masks).item())
+
+
+def test_mask_loss_cells_are_cut_as_the_network_strides_when_the_side_is_no_multiple_of_16():
+    masks = torch.zeros(1, 40, 40, dtype=torch.uint8)  # 40 px at stride 16: a 3 x 3 grid, cells 0-15, 16-31, 32-39
+    masks[0, 30, 30] = 1  # in cell (1, 1); an even split of 40 px into 3 bins would say (2, 2)
+    right = torch.full((1, 1, 3, 3), -6.0)
+    right[0, 0, 1, 1] = 6.0
+    even = torch.full((1, 1, 3, 3), -6.0)
+    even[0, 0, 2, 2] = 6.0
+    assert MaskLoss(1.0)(right, masks) < 0.01 < 1.0 < MaskLoss(1.0)(even, masks)
 
 
 def test_the_mask_head_sees_the_stride_16_features_and_trains_them():
@@ -121,6 +153,54 @@ def test_the_mask_head_sees_the_stride_16_features_and_trains_them():
     assert stem is not None and stem.abs().sum() > 0  # the mask's gradient reaches the features
 
 
+def test_a_network_without_a_spatial_grid_names_the_knob_to_turn_off():
+    import timm
+
+    from pipeline.config import ConfigError
+    from pipeline.model import DefectNet
+
+    vit = timm.create_model("vit_tiny_patch16_224", img_size=32, num_classes=3, pretrained=False)
+    net = DefectNet(vit, (0.5,) * 3, (0.5,) * 3)
+    net.add_mask_head()
+    x = torch.randint(0, 255, (2, 32, 32, 3), dtype=torch.uint8)
+    assert net(x).shape == (2, 3)  # the classifier alone still works
+    with pytest.raises(ConfigError, match=r"train.mask_loss: .* not a spatial grid .* set train.mask_loss: 0"):
+        net(x, with_mask=True)
+
+
+def test_train_loss_is_the_class_loss_and_the_mask_loss_is_reported_beside_it():
+    from torch import nn
+
+    from pipeline.distributed import Dist
+    from pipeline.loop import EMA, EpochProgress, train_one_epoch
+    from pipeline.runtime import resolve_runtime
+
+    class Fixed(nn.Module):  # a loss of a known value that still reaches the weights
+        def __init__(self, value: float) -> None:
+            super().__init__()
+            self.value = value
+
+        def forward(self, out: torch.Tensor, _target: torch.Tensor) -> torch.Tensor:
+            return self.value + 0.0 * out.float().sum()
+
+    net = create_model(dataclasses.replace(P.model, name="test_efficientnet"), 3, 3)
+    net.add_mask_head()
+    g = torch.Generator().manual_seed(0)
+    batches = [
+        (torch.randint(0, 255, (4, 32, 32, 3), dtype=torch.uint8, generator=g), torch.tensor([0, 1, 2, 0]),
+         torch.zeros(4, 32, 32, dtype=torch.uint8))
+        for _ in range(3)
+    ]  # fmt: skip
+    opt = torch.optim.SGD(net.parameters(), lr=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    rt = resolve_runtime("cpu", "fp32")
+    out = train_one_epoch(
+        net, batches, Fixed(1.0), opt, sched, rt, EMA(net, 0.0), EpochProgress(), Dist("none"),
+        mask_criterion=Fixed(0.5),
+    )  # fmt: skip
+    assert out["train_loss"] == pytest.approx(1.0) and out["train_mask_loss"] == pytest.approx(0.5)
+
+
 def test_training_with_masks_shows_the_mask_loss_and_saves_the_plain_network(prepared_project, tmp_path):
     shutil.copytree(prepared_project, tmp_path, dirs_exist_ok=True)
     p = tiny_params(**{"model.name": "test_efficientnet"})
@@ -129,7 +209,8 @@ def test_training_with_masks_shows_the_mask_loss_and_saves_the_plain_network(pre
     with open(tmp_path / "reports/train/history.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     mask_losses = [float(r["train_mask_loss"]) for r in rows]
-    assert len(mask_losses) == 2 and all(0 < m < float(r["train_loss"]) for m, r in zip(mask_losses, rows, strict=True))
+    assert len(mask_losses) == 2 and all(0 < m < 10 for m in mask_losses)
+    assert all(0 < float(r["train_loss"]) < 10 for r in rows)  # the class loss alone, comparable with val_loss
     saved = checkpoint.load(tmp_path / "models/train/model.pt")["model"]
     assert not any(k.startswith("mask_head.") for k in saved)  # evaluate, export and the runner: the classifier
     model, _ = load_model(tmp_path / "models/train/model.pt")
