@@ -108,6 +108,8 @@ class ImageDataset(Dataset):
         masks: np.ndarray | None = None,
     ) -> None:
         self.images, self.labels, self.transform, self.masks = images, labels, transform, masks
+        # per image, once: is its mask known at all (an unknown one is never augmented, see __getitem__)
+        self.mask_known = None if masks is None else (masks != MASK_UNKNOWN).any(axis=(1, 2))
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -119,7 +121,7 @@ class ImageDataset(Dataset):
         if self.transform is not None:
             if seed is not None:
                 seed_policy(self.transform, seed)
-            if mask is None or (mask == MASK_UNKNOWN).all():
+            if mask is None or not self.mask_known[i]:
                 # an unknown mask stays unknown: moved with the image, a rotation or shift would fill its
                 # new border with 0 ("no defect here") and make a defect image's mask look known and clear
                 img = apply_policy(self.transform, img)

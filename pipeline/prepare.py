@@ -119,19 +119,19 @@ def prepare(
     for name in SPLITS:
         rows = sorted(splits[name], key=lambda r: r["path"])
 
-        def load(r: dict) -> np.ndarray:
-            return load_image(images_dir / r["path"], cfg.image_size, channels, cfg.resize)
+        def load(r: dict) -> tuple[np.ndarray, np.ndarray]:
+            s = cfg.image_size
+            image = load_image(images_dir / r["path"], s, channels, cfg.resize)
+            return image, mask_for(masks_dir if has_masks else None, r, ok_class, s, cfg.resize)
 
         # Pillow releases the GIL while decoding and resizing, so threads use both cores.
         with ThreadPoolExecutor(max_workers=2) as pool:
-            images = list(tqdm(pool.map(load, rows), total=len(rows), desc=f"prepare {name}", unit="img"))
-        x = np.stack(images) if images else np.zeros((0, cfg.image_size, cfg.image_size, channels), np.uint8)
+            loaded = list(tqdm(pool.map(load, rows), total=len(rows), desc=f"prepare {name}", unit="img"))
+        s = cfg.image_size
+        x = np.stack([i for i, _ in loaded]) if loaded else np.zeros((0, s, s, channels), np.uint8)
+        masks = np.stack([m for _, m in loaded]) if loaded else np.zeros((0, s, s), np.uint8)
         y = np.array([classes.index(r["label"]) for r in rows], dtype=np.int64)
         paths, groups = np.array([r["path"] for r in rows]), np.array([r["group"] for r in rows])
-        s = cfg.image_size
-        masks = np.zeros((len(rows), s, s), np.uint8)
-        for i, r in enumerate(rows):
-            masks[i] = mask_for(masks_dir if has_masks else None, r, ok_class, s, cfg.resize)
         np.savez(out_dir / f"{name}.npz", images=x, labels=y, paths=paths, groups=groups, masks=masks)
         summary["splits"][name] = {c: int((y == i).sum()) for i, c in enumerate(classes)}
         known = int((masks != MASK_UNKNOWN).any(axis=(1, 2)).sum())
