@@ -1,0 +1,103 @@
+"""`defect sweep`: levers measured over seeds through real `dvc repro` runs, reported in sweeps/ and MLflow."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from pipeline.config import ConfigError
+from pipeline.sweep import load_sweep, plan
+from tests.conftest import copy_project, load_default_params, tiny_params, venv_env
+
+
+def write(path: Path, data: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def sweep(project: Path, levers: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "sweep", levers],
+        cwd=project, env=venv_env(), capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """A project whose tiny sweep ran: the default and a two-epoch lever, one seed each."""
+    project = copy_project(tmp_path_factory.mktemp("sweep"))
+    write(project / "params.yaml", tiny_params(**{"model.name": "test_efficientnet"}))
+    subprocess.run(["git", "add", "-A"], cwd=project, check=True)
+    levers = {"name": "tiny", "seeds": [3], "levers": {"default": {}, "two epochs": {"train.epochs": 2}}}
+    write(project / "sweeps/tiny.yaml", levers)
+    return project, sweep(project, "sweeps/tiny.yaml")
+
+
+def test_each_lever_runs_the_pipeline_with_its_params_and_the_table_reports_its_figures(swept):
+    project, proc = swept
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[1/2] default, seed 3" in proc.stdout and "[2/2] two epochs, seed 3" in proc.stdout
+    out = project / "sweeps/tiny"
+    for lever, epochs in (("default", 1), ("two-epochs", 2)):
+        run = out / lever / "seed3"
+        used = yaml.safe_load((run / "params.yaml").read_text())
+        assert used["train"]["seed"] == 3 and used["train"]["epochs"] == epochs
+        history = (run / "reports/train/history.csv").read_text().strip().splitlines()
+        assert len(history) == 1 + epochs  # the lever reached the training: one row per epoch
+        assert (run / "reports/evaluate/roc.png").stat().st_size > 0
+    rows = json.loads((out / "runs.json").read_text())
+    evaluation = json.loads((out / "two-epochs/seed3/reports/evaluate/metrics.json").read_text())
+    two = next(r for r in rows if r["lever"] == "two epochs")
+    assert two["recall_at_far"] == evaluation["defect_recall_at_far_threshold"]
+    assert two["auc"] == evaluation["roc_auc"] and two["accuracy"] == evaluation["accuracy"]
+    table = (out / "summary.md").read_text()
+    assert f'| two epochs | `{{"train.epochs": 2}}` | {two["recall_at_far"]:.2f} ({two["far"]:.2f})' in table
+    assert (out / "levers.png").stat().st_size > 0
+
+
+def test_params_yaml_is_put_back_after_the_sweep(swept):
+    project, _ = swept
+    assert yaml.safe_load((project / "params.yaml").read_text()) == tiny_params(**{"model.name": "test_efficientnet"})
+    # byte for byte what was staged before the sweep
+    assert subprocess.run(["git", "diff", "--quiet", "params.yaml"], cwd=project).returncode == 0
+
+
+def test_the_sweep_is_an_mlflow_run_with_the_trainings_nested_under_it(swept):
+    project, _ = swept
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    runs = client.search_runs(client.get_experiment_by_name("defect-detection").experiment_id)
+    parent = next(r for r in runs if r.info.run_name == "sweep tiny")
+    assert {"sweep/summary.md", "sweep/summary.csv", "sweep/levers.png"} <= {
+        a.path for a in client.list_artifacts(parent.info.run_id, "sweep")
+    }
+    assert "two-epochs.recall_at_far_mean" in parent.data.metrics
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert sorted(r.data.tags["sweep.lever"] for r in children) == ["default", "two epochs"]
+    assert all(r.data.params["train.epochs"] in ("1", "2") for r in children)  # the training runs themselves
+
+
+def test_a_second_sweep_keeps_finished_runs(swept):
+    project, _ = swept
+    proc = sweep(project, "sweeps/tiny.yaml")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("done before, kept") == 2 and "dvc repro evaluate (log" not in proc.stdout
+
+
+def test_a_lever_naming_a_missing_param_stops_before_anything_runs(tmp_path):
+    levers = write(tmp_path / "l.yaml", {"seeds": [0], "levers": {"default": {}, "typo": {"train.epochz": 3}}})
+    with pytest.raises(ConfigError, match=r"levers\.typo: train\.epochz: params.yaml has no such key"):
+        plan(load_sweep(levers), load_default_params())
+    bad_value = write(tmp_path / "v.yaml", {"levers": {"x": {"train.epochs": "many"}}})
+    with pytest.raises(ConfigError, match=r"levers\.x \(seed 0\).*train\.epochs"):
+        plan(load_sweep(bad_value), load_default_params())
+    with pytest.raises(ConfigError, match="seeds: expected a list of integers"):
+        load_sweep(write(tmp_path / "s.yaml", {"seeds": "0-2", "levers": {"a": {}}}))
+    with pytest.raises(ConfigError, match="not found"):
+        load_sweep(tmp_path / "absent.yaml")
