@@ -154,11 +154,12 @@ def run_one(params: dict, run_dir: Path, until: str, lever: str, seed: int) -> d
     start = time.monotonic()
     with open(run_dir / "dvc.log", "w") as log:
         cmd = [sys.executable, "-m", "dvc", "repro", until]
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=stage_env())
+        # its own process group: dvc runs each stage as a child, which a signal to dvc alone would orphan
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=stage_env(), start_new_session=True)
         try:
             rc = proc.wait()
-        except BaseException:  # Ctrl-C or kill: stop the stage too (a killed training resumes next time)
-            proc.terminate()
+        except BaseException:  # Ctrl-C or kill: stop dvc and the stage too (a killed training resumes next time)
+            os.killpg(proc.pid, signal.SIGTERM)
             proc.wait()
             raise
     wall = time.monotonic() - start
