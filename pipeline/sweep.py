@@ -215,8 +215,8 @@ def write_table(table: list[dict], out: Path, sweep: Sweep, max_far: float) -> N
         w.writeheader()
         w.writerows(table)
 
-    def num(x: float, digits: int = 2) -> str:
-        return "" if x != x else f"{x:+.{digits}f}" if digits < 0 else f"{x:.{digits}f}"
+    def num(x: float, digits: int = 2, sign: str = "") -> str:
+        return "" if x != x else f"{x:{sign}.{digits}f}"  # NaN (no seed finished): an empty cell
 
     lines = [
         f"# Sweep {sweep.name}: seeds {sweep.seeds}, paired with `{list(sweep.levers)[0]}`",
@@ -229,11 +229,11 @@ def write_table(table: list[dict], out: Path, sweep: Sweep, max_far: float) -> N
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in table:
-        diff = "" if r["recall_vs_reference"] != r["recall_vs_reference"] else f"{r['recall_vs_reference']:+.2f}"
         lines.append(
             f"| {r['lever']} | `{r['changes']}` | {r['recall_at_far_by_seed']}"
             + (f" ({r['failed']} failed)" if r["failed"] else "")
-            + f" | {num(r['recall_at_far_mean'])} | {diff} | {r['seeds_within_far']} of {r['seeds']} "
+            + f" | {num(r['recall_at_far_mean'])} | {num(r['recall_vs_reference'], sign='+')} "
+            f"| {r['seeds_within_far']} of {r['seeds']} "
             f"| {num(r['auc_mean'], 3)} | {num(r['accuracy_mean'])} | {num(r['pointing_game_mean'])} "
             f"| {num(r['train_s_mean'], 0)} | {num(r['wall_s_mean'], 0)} |"
         )
