@@ -8,6 +8,7 @@ to a default. Library code takes these objects, never a raw dict.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import types
 import typing
@@ -113,6 +114,8 @@ class TrainConfig:
     threads: int  # torch intra-op threads on CPU; 0 = torch's default
     seed: int
     ensemble: int  # members trained with seeds seed, seed+1, ...; the model is the mean of their probabilities
+    # per member, param changes ({"augment.policy": [...], "train.lr": ...}); [] = every member the same
+    ensemble_members: list[dict[str, Any]]
     init_from: str  # none, champion (the registry's champion weights) or the path of a model.pt
 
 
@@ -275,6 +278,8 @@ def params_from_dict(raw: dict, source_file: str = "params.yaml") -> Params:
         raise ConfigError(f"{source_file}: {exc}") from None
     params = dataclasses.replace(params, source_file=source_file)
     _check_values(params)
+    for k in range(len(params.train.ensemble_members)):  # each member's params are checked now, not hours later
+        member_params(params, k)
     return params
 
 
@@ -296,6 +301,18 @@ def _check_values(p: Params) -> None:
         problems.append(f"train.processes: must be at least 1, got {t.processes}")
     if t.ensemble < 1:
         problems.append(f"train.ensemble: must be at least 1 (1 = a single model), got {t.ensemble}")
+    if t.ensemble_members and len(t.ensemble_members) != t.ensemble:
+        problems.append(
+            f"train.ensemble_members: one entry per member (train.ensemble: {t.ensemble}), or [] for members "
+            f"that differ only by seed; got {len(t.ensemble_members)}"
+        )
+    for k, changes in enumerate(t.ensemble_members):
+        for key in changes:
+            if not (key == "augment.policy" or key.startswith("train.")) or key in MEMBER_FIXED:
+                problems.append(
+                    f"train.ensemble_members[{k}]: {key}: a member may change augment.policy and train.* keys "
+                    f"other than {', '.join(MEMBER_FIXED)} (the data, model and export are the ensemble's)"
+                )
     if t.processes > 1 and t.distributed == "none":
         problems.append("train.processes: more than 1 process needs train.distributed: ddp or fsdp")
     if t.monitor == "last" and t.early_stopping_patience:
@@ -320,6 +337,42 @@ def _check_values(p: Params) -> None:
         problems.append("evaluate.heatmaps_per_class: must be >= 0 (0 = no heatmaps)")
     if problems:
         raise ConfigError(f"{p.source_file}: " + "; ".join(problems))
+
+
+# The keys an ensemble member cannot change: they define the ensemble itself or how it is launched.
+MEMBER_FIXED = ("train.ensemble", "train.ensemble_members", "train.distributed", "train.processes")
+
+
+def apply_changes(params: dict, changes: dict, where: str) -> dict:
+    """A copy of the raw ``params`` with dotted keys set (``{"train.lr": 0.001}``). A key params.yaml does
+    not have stops with ``where`` and the key named: a typo would otherwise be silently ignored."""
+    out = copy.deepcopy(params)
+    for dotted, value in changes.items():
+        node, *path = out, *str(dotted).split(".")
+        for i, part in enumerate(path[:-1]):
+            if not isinstance(node, dict) or part not in node:
+                raise ConfigError(f"{where}: {dotted}: params.yaml has no {'.'.join(path[: i + 1])}")
+            node = node[part]
+        if not isinstance(node, dict) or path[-1] not in node:
+            raise ConfigError(f"{where}: {dotted}: params.yaml has no such key")
+        node[path[-1]] = value
+    return out
+
+
+def member_params(p: Params, k: int) -> Params:
+    """The params member ``k`` of ``train.ensemble`` trains with: seed ``train.seed + k`` and its entry of
+    ``train.ensemble_members`` applied, checked like params.yaml (a bad value names the member)."""
+    t = p.train
+    raw = dataclasses.asdict(p)
+    raw.pop("source_file")
+    changes = {
+        **(t.ensemble_members[k] if t.ensemble_members else {}),
+        "train.seed": t.seed + k,
+        "train.ensemble": 1,
+        "train.ensemble_members": [],
+    }
+    where = f"{p.source_file}: train.ensemble_members[{k}]"
+    return params_from_dict(apply_changes(raw, changes, where), source_file=where)
 
 
 def load_params(path: str | Path = "params.yaml") -> Params:

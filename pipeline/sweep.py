@@ -21,7 +21,6 @@ effect (README), hence seeds and pairing rather than one run per lever.
 
 from __future__ import annotations
 
-import copy
 import csv
 import json
 import os
@@ -37,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from pipeline.config import ConfigError, params_from_dict
+from pipeline.config import ConfigError, apply_changes, params_from_dict
 
 SWEEPS_DIR = Path("sweeps")
 # The figures of one run: the goal's (recall at the val-chosen false-alarm threshold) first.
@@ -94,22 +93,6 @@ def load_sweep(path: Path) -> Sweep:
     if not isinstance(base, dict):
         raise ConfigError(f"{path}: base: expected a mapping of dotted param keys to values")
     return Sweep(str(raw.get("name") or path.stem), base, seeds, {str(k): v or {} for k, v in levers.items()})
-
-
-def apply_changes(params: dict, changes: dict, where: str) -> dict:
-    """A copy of ``params`` with dotted keys set; a key params.yaml does not have stops the sweep before it
-    starts (a typo would otherwise measure the default under a lever's name)."""
-    out = copy.deepcopy(params)
-    for dotted, value in changes.items():
-        node, *path = out, *str(dotted).split(".")
-        for i, part in enumerate(path[:-1]):
-            if not isinstance(node, dict) or part not in node:
-                raise ConfigError(f"{where}: {dotted}: params.yaml has no {'.'.join(path[: i + 1])}")
-            node = node[part]
-        if not isinstance(node, dict) or path[-1] not in node:
-            raise ConfigError(f"{where}: {dotted}: params.yaml has no such key")
-        node[path[-1]] = value
-    return out
 
 
 def plan(sweep: Sweep, params: dict) -> list[tuple[str, int, dict]]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import dataclasses
 import hashlib
 import json
 import logging
@@ -32,7 +31,7 @@ from torch.utils.data import DataLoader
 
 from pipeline import checkpoint, distributed, tracking
 from pipeline.augment import ImageDataset, build_policy
-from pipeline.config import ConfigError, Params, as_flat_dict
+from pipeline.config import ConfigError, Params, as_flat_dict, member_params
 from pipeline.distributed import Dist, unwrap
 from pipeline.loop import (
     EMA,
@@ -327,9 +326,16 @@ def _train_ensemble(
     cfg = params.train
     members = []
     for k in range(cfg.ensemble):
-        member = dataclasses.replace(params, train=dataclasses.replace(cfg, seed=cfg.seed + k, ensemble=1))
+        member = member_params(params, k)
         where = out_dir / "checkpoints" / f"member-{k}"
-        log.info("ensemble member %d of %d (train.seed %d)", k + 1, cfg.ensemble, cfg.seed + k)
+        changes = cfg.ensemble_members[k] if cfg.ensemble_members else {}
+        log.info(
+            "ensemble member %d of %d (train.seed %d%s)",
+            k + 1,
+            cfg.ensemble,
+            cfg.seed + k,
+            "".join(f", {key} changed" for key in changes),
+        )
         members.append((where, _train(member, prepared_dir, where, where / "reports", data_reports, rt, d)))
     if not d.is_main:
         return None
@@ -346,6 +352,7 @@ def _train_ensemble(
         "fingerprint": fp,
         "members": len(metas),
         "member_seeds": [cfg.seed + k for k in range(len(metas))],
+        "member_changes": list(cfg.ensemble_members),
         "member_epochs": [m["epoch"] for m in metas],
     }
     state = {f"members.{k}.{name}": v for k, s in enumerate(states) for name, v in s.items()}

@@ -39,6 +39,22 @@ def test_the_shipped_params_load():
         (lambda p: p["train"].update(monitor="last", early_stopping_patience=3), "train.early_stopping_patience"),
         (lambda p: p["train"].update(focal_gamma=-2), "train.focal_gamma: must be >= 0 (0 = off), got -2"),
         (lambda p: p["train"].update(mask_loss=-1.0), "train.mask_loss: must be >= 0 (0 = off), got -1.0"),
+        (
+            lambda p: p["train"].update(ensemble=2, ensemble_members=[{}]),
+            "train.ensemble_members: one entry per member",
+        ),
+        (
+            lambda p: p["train"].update(ensemble=2, ensemble_members=[{}, {"prepare.image_size": 64}]),
+            "train.ensemble_members[1]: prepare.image_size: a member may change augment.policy and train.*",
+        ),
+        (
+            lambda p: p["train"].update(ensemble=2, ensemble_members=[{}, {"train.lr": "fast"}]),
+            "train.ensemble_members[1]: train.lr: expected a number, got 'fast'",
+        ),
+        (
+            lambda p: p["train"].update(ensemble=2, ensemble_members=[{"train.learning_rate": 0.1}, {}]),
+            "train.ensemble_members[0]: train.learning_rate: params.yaml has no such key",
+        ),
     ],
 )
 def test_a_mistake_names_the_key(mutate, message):

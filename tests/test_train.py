@@ -265,3 +265,27 @@ def test_ensemble_is_the_mean_of_its_members_and_resumes_member_by_member(prepar
     run_stages_in(tmp_path, p, ["evaluate", "export"])
     fp32 = json.loads((tmp_path / "reports/export/parity.json").read_text())["fp32"]
     assert fp32["prob_max_abs_diff"] <= p["export"]["max_abs_diff"] and fp32["decision_flips"] == 0
+
+
+def test_ensemble_members_train_with_their_own_param_changes(prepared_project, tmp_path):
+    """train.ensemble_members: member 1 trains with its own augmentation policy and epochs, and is exactly
+    the single model trained with seed 1 and those params; member 0 keeps the params as given."""
+    shutil.copytree(prepared_project, tmp_path, dirs_exist_ok=True)
+    changes = {"augment.policy": [], "train.epochs": 2}
+    p = params(ensemble=2, ema=0.0, epochs=1, ensemble_members=[{}, changes])
+    proc = run_train(tmp_path, p)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ensemble member 2 of 2 (train.seed 1, augment.policy changed, train.epochs changed)" in proc.stderr
+    meta = checkpoint.load(tmp_path / "models/train/model.pt")["meta"]
+    assert meta["member_changes"] == [{}, changes]
+    for k, epochs in enumerate((1, 2)):
+        rows = list(csv.DictReader((ckpt_dir(tmp_path) / f"member-{k}/reports/history.csv").open()))
+        assert len(rows) == epochs, f"member {k}"
+
+    single = tmp_path / "single"
+    shutil.copytree(prepared_project, single)
+    alone = params(ema=0.0, epochs=2, seed=1)
+    alone["augment"]["policy"] = []
+    assert run_train(single, alone).returncode == 0
+    member1 = checkpoint.load(ckpt_dir(tmp_path) / "member-1/model.pt")["model"]
+    assert same_weights(member1, model_weights(single))
