@@ -16,6 +16,7 @@ and why. The card also names the variant to use per execution provider.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -73,7 +74,10 @@ def make_int8(fp32_path: Path, out: Path, calibration: np.ndarray, cfg: ExportCo
         def get_next(self) -> dict | None:
             return next(self.batches, None)
 
-    with tempfile.TemporaryDirectory() as tmp:
+    fp32_path, out = fp32_path.resolve(), out.resolve()
+    # onnxruntime's shape inference writes temporary files (70 MB for an ensemble) into the working
+    # directory and leaves them when it fails: run it inside the temporary folder, which is removed.
+    with tempfile.TemporaryDirectory() as tmp, contextlib.chdir(tmp):
         pre = Path(tmp) / "pre.onnx"
         try:  # shape inference + graph optimizations first
             quant_pre_process(str(fp32_path), str(pre))
