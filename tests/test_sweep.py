@@ -101,3 +101,30 @@ def test_a_lever_naming_a_missing_param_stops_before_anything_runs(tmp_path):
         load_sweep(write(tmp_path / "s.yaml", {"seeds": "0-2", "levers": {"a": {}}}))
     with pytest.raises(ConfigError, match="not found"):
         load_sweep(tmp_path / "absent.yaml")
+
+
+def test_ensemble_mix_scores_the_swept_models_as_the_evaluate_stage_does(swept):
+    """experiments/ensemble_mix.py: a one-member "ensemble" of a run reproduces that run's evaluate figures
+    (the same model from MLflow, the same val-chosen cut), and a mix of two levers is scored too."""
+    project, _ = swept
+    env = venv_env()
+    env["PYTHONPATH"] = str(project)
+    proc = subprocess.run(
+        [sys.executable, "experiments/ensemble_mix.py", "sweeps/tiny", "--mix", "two epochs:1",
+         "--mix", "default:1,two epochs:1", "--out", "mix.md"],
+        cwd=project, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    two = json.loads((project / "sweeps/tiny/two-epochs/seed3/result.json").read_text())
+    summary, layouts = (project / "mix.md").read_text().split("\n\n")
+    rows = {line.split(" | ")[0].strip("| "): line for line in summary.splitlines()}
+    assert f"| two epochs:1 | 1 | {two['recall_at_far']:.2f} ({two['recall_at_far']:.2f}) |" in rows["two epochs:1"]
+    assert f"| {two['auc']:.3f} |" in rows["two epochs:1"] and f"| {two['accuracy']:.2f} |" in rows["two epochs:1"]
+    assert rows["default:1,two epochs:1"].startswith("| default:1,two epochs:1 | 1 | ")
+    # the layout train.ensemble_members would train for train.seed 3: only the one-lever mix has its seeds
+    assert "| two epochs:1 | 3 | two epochs 3 |" in layouts and "default 3, two epochs 4" not in layouts
+    bad = subprocess.run(
+        [sys.executable, "experiments/ensemble_mix.py", "sweeps/tiny", "--mix", "gamma only:1"],
+        cwd=project, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert bad.returncode != 0 and "'gamma only' has 0 finished runs" in bad.stderr

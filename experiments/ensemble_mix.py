@@ -1,0 +1,191 @@
+"""Which members should an ensemble have? Measured post hoc on the models a `defect sweep` trained.
+
+    python experiments/ensemble_mix.py sweeps/magnetic-tiles sweeps/magnetic-tiles-orientation \
+        --mix "default:3" --mix "default:2,gamma only:1" --mix "default:1,gamma only:2"
+
+Every finished run of the sweep folders is a trained model, kept in MLflow (its ``result.json`` names
+the run). A mix ``A:2,B:1`` is every ensemble of two runs of lever A and one of lever B, no seed used
+twice in a lever. Each ensemble scores the mean of its members' class probabilities on the val and test
+splits of ``data/prepared`` (what ``train.ensemble`` computes), and its threshold is chosen on val as the
+evaluate stage chooses it (each near-duplicate group weighing one). Per mix the table gives: how many
+ensembles, their mean and lowest defect recall at the val 3% threshold, how many keep the test false
+alarms within the budget counted by images (the goal's figure) and by parts, test AUC, the oracle (the
+recall at the threshold flagging 3% of the test OK images: the ranking alone) and class accuracy.
+Then the ensembles ``train.ensemble_members`` would train in that order for ``train.seed`` s (member k
+with seed s + k), one row per s the sweep has every run for.
+
+Run it in the project the sweep ran in, after the sweep: ``data/prepared`` is then the sweep's data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from pipeline.metrics import binary_metrics, group_weights, roc_auc, softmax, threshold_for_false_alarms
+from pipeline.prepare import load_groups, load_split, read_summary
+
+
+def parse_mix(text: str) -> list[tuple[str, int]]:
+    mix = []
+    for part in text.split(","):
+        lever, _, count = part.rpartition(":")
+        if not lever or not count.strip().isdigit() or int(count) < 1:
+            raise SystemExit(f"--mix {text!r}: expected LEVER:COUNT[,LEVER:COUNT...], e.g. 'default:2,gamma only:1'")
+        mix.append((lever.strip(), int(count)))
+    return mix
+
+
+def finished_runs(folders: list[Path]) -> dict[tuple[str, int], dict]:
+    """(lever, seed) -> the run's result.json (with its folder), over every sweep folder given."""
+    runs = {}
+    for folder in folders:
+        for result in sorted(folder.glob("*/seed*/result.json")):
+            r = json.loads(result.read_text())
+            if r.get("rc") == 0 and r.get("mlflow_run_id"):
+                runs[(r["lever"], int(r["seed"]))] = {**r, "dir": result.parent}
+    if not runs:
+        raise SystemExit(f"no finished sweep runs under {', '.join(map(str, folders))}")
+    return runs
+
+
+def score_runs(runs: dict, needed: set, prepared: Path) -> dict:
+    """(lever, seed) -> (val probabilities, test probabilities) of the run's model, from MLflow."""
+    import mlflow
+
+    from pipeline.loop import predict_logits
+    from pipeline.runtime import resolve_runtime
+    from pipeline.train import load_model
+
+    x_val, _, _ = load_split(prepared, "val")
+    x_test, _, _ = load_split(prepared, "test")
+    probs = {}
+    for key in sorted(needed):
+        run = runs[key]
+        used = yaml.safe_load((run["dir"] / "params.yaml").read_text())  # raw: older runs may lack newer keys
+        mlflow.set_tracking_uri(os.environ.get("MLFLOW_TRACKING_URI", used["mlflow"]["tracking_uri"]))
+        path = mlflow.artifacts.download_artifacts(run_id=run["mlflow_run_id"], artifact_path="model/model.pt")
+        model, _ = load_model(Path(path))
+        rt = resolve_runtime("cpu", used["train"]["precision"])
+        model = model.to(rt.device).eval()
+        probs[key] = tuple(softmax(predict_logits(model, x, rt)) for x in (x_val, x_test))
+        print(f"scored {key[0]}, seed {key[1]}", file=sys.stderr, flush=True)
+    return probs
+
+
+class Judge:
+    """An ensemble's figures, computed as the evaluate stage computes them."""
+
+    def __init__(self, prepared: Path, max_far: float):
+        info = read_summary(prepared)
+        self.ok = info["classes"].index(info["ok_class"])
+        _, self.y_val, _ = load_split(prepared, "val")
+        _, self.y_test, _ = load_split(prepared, "test")
+        self.val_ok, self.test_ok = self.y_val == self.ok, self.y_test == self.ok
+        self.w_val = group_weights(load_groups(prepared, "val"), ~self.val_ok)
+        self.w_test = group_weights(load_groups(prepared, "test"), ~self.test_ok)
+        self.max_far = max_far
+
+    def __call__(self, members: list[tuple[np.ndarray, np.ndarray]]) -> dict:
+        val = np.mean([m[0] for m in members], axis=0)
+        test = np.mean([m[1] for m in members], axis=0)
+        sv, st = 1 - val[:, self.ok], 1 - test[:, self.ok]
+        cut = threshold_for_false_alarms(sv[self.val_ok], self.max_far, self.w_val[self.val_ok])
+        at = binary_metrics(st, ~self.test_ok, cut)
+        flagged = st[self.test_ok] >= cut
+        ok_scores = np.sort(st[self.test_ok])[::-1]
+        oracle_cut = ok_scores[int(self.max_far * len(ok_scores))]
+        return {
+            "recall": at["defect_recall"],
+            "far": at["false_alarm_rate"],
+            "far_parts": float((self.w_test[self.test_ok] * flagged).sum() / self.w_test[self.test_ok].sum()),
+            "auc": roc_auc(st, ~self.test_ok),
+            "oracle": float((st[~self.test_ok] > oracle_cut).mean()),
+            "accuracy": float((test.argmax(1) == self.y_test).mean()),
+        }
+
+
+def combinations(mix: list[tuple[str, int]], seeds: dict[str, list[int]]) -> list[list[tuple[str, int]]]:
+    per_lever = [list(itertools.combinations(seeds.get(lever, []), n)) for lever, n in mix]
+    return [[(lever, s) for (lever, _), chosen in zip(mix, pick, strict=True) for s in chosen]
+            for pick in itertools.product(*per_lever)]  # fmt: skip
+
+
+def layout(mix: list[tuple[str, int]], seeds: dict[str, list[int]]) -> list[tuple[int, list[tuple[str, int]]]]:
+    """The members train.ensemble_members trains for train.seed s, in the mix's order: member k has seed s + k."""
+    order = [lever for lever, n in mix for _ in range(n)]
+    starts = sorted({s for found in seeds.values() for s in found})
+    rows = []
+    for s in starts:
+        members = [(lever, s + k) for k, lever in enumerate(order)]
+        if all(seed in seeds.get(lever, []) for lever, seed in members):
+            rows.append((s, members))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("sweeps", nargs="+", type=Path, help="sweep result folders (sweeps/<name>)")
+    ap.add_argument("--mix", action="append", required=True, help="LEVER:COUNT[,LEVER:COUNT...]")
+    ap.add_argument("--prepared", type=Path, default=Path("data/prepared"))
+    ap.add_argument("--max-false-alarm-rate", type=float, default=0.03)
+    ap.add_argument("--out", type=Path, help="also write the table (markdown) here")
+    args = ap.parse_args(argv)
+
+    mixes = [(text, parse_mix(text)) for text in args.mix]
+    runs = finished_runs(args.sweeps)
+    seeds: dict[str, list[int]] = {}
+    for lever, seed in sorted(runs):
+        seeds.setdefault(lever, []).append(seed)
+    for text, mix in mixes:
+        for lever, n in mix:
+            if len(seeds.get(lever, [])) < n:
+                raise SystemExit(f"--mix {text!r}: {lever!r} has {len(seeds.get(lever, []))} finished runs, "
+                                 f"{n} needed (levers found: {', '.join(sorted(seeds))})")  # fmt: skip
+    info = read_summary(args.prepared)
+    for key in {(lever, s) for _, mix in mixes for lever, _ in mix for s in seeds[lever]}:
+        used = yaml.safe_load((runs[key]["dir"] / "params.yaml").read_text())
+        if used["data"]["ok_class"] != info["ok_class"] or used["prepare"]["image_size"] != info["image_size"]:
+            raise SystemExit(f"{runs[key]['dir']}: trained on other data than {args.prepared} (ok class or size "
+                             f"differs); run the sweep's last run again (dvc repro) first")  # fmt: skip
+    needed = {(lever, s) for _, mix in mixes for lever, _ in mix for s in seeds[lever]}
+    probs = score_runs(runs, needed, args.prepared)
+    judge = Judge(args.prepared, args.max_false_alarm_rate)
+
+    far = f"{args.max_false_alarm_rate:.0%}"
+    lines = [
+        f"| mix | ensembles | recall at the val {far} threshold, mean (lowest) | within {far} test false alarms, "
+        f"by images / by parts | test AUC | oracle | accuracy |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    layouts = []
+    for text, mix in mixes:
+        rows = [judge([probs[m] for m in members]) for members in combinations(mix, seeds)]
+        mean = {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
+        within = sum(r["far"] <= args.max_false_alarm_rate + 1e-9 for r in rows)
+        within_parts = sum(r["far_parts"] <= args.max_false_alarm_rate + 1e-9 for r in rows)
+        lowest = min(r["recall"] for r in rows)
+        lines.append(f"| {text} | {len(rows)} | {mean['recall']:.2f} ({lowest:.2f}) | {within} / {within_parts} of "
+                     f"{len(rows)} | {mean['auc']:.3f} | {mean['oracle']:.2f} | {mean['accuracy']:.2f} |")  # fmt: skip
+        for s, members in layout(mix, seeds):
+            r = judge([probs[m] for m in members])
+            layouts.append(f"| {text} | {s} | {', '.join(f'{lever} {seed}' for lever, seed in members)} | "
+                           f"{r['recall']:.2f} ({r['far']:.2f}) | {r['auc']:.3f} | {r['accuracy']:.2f} |")  # fmt: skip
+    lines += ["", "| mix | train.seed | members (lever, seed) | recall (test false alarms) | test AUC | accuracy |",
+              "|---|---|---|---|---|---|", *layouts]  # fmt: skip
+    table = "\n".join(lines) + "\n"
+    print(table)
+    if args.out:
+        args.out.write_text(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
