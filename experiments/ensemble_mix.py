@@ -15,6 +15,8 @@ Then the ensembles ``train.ensemble_members`` would train in that order for ``tr
 with seed s + k), one row per s the sweep has every run for.
 
 Run it in the project the sweep ran in, after the sweep: ``data/prepared`` is then the sweep's data.
+The table is written to ``<first sweep folder>/ensemble_mix.md`` (or ``--out``) and logged, with each
+mix's figures as metrics, to an MLflow run ``ensemble mix`` in the sweep's experiment.
 """
 
 from __future__ import annotations
@@ -130,13 +132,30 @@ def layout(mix: list[tuple[str, int]], seeds: dict[str, list[int]]) -> list[tupl
     return rows
 
 
+def log_to_mlflow(mlflow_params: dict, sweeps: list[Path], summary: dict[str, dict], table: Path) -> None:
+    """A run ``ensemble mix`` with the table as an artifact and each mix's figures as metrics."""
+    from pipeline import tracking
+    from pipeline.config import MlflowConfig
+    from pipeline.sweep import slug
+
+    try:
+        with tracking.open_run(MlflowConfig(**mlflow_params), run_name="ensemble mix") as run:
+            run.log_params({"sweeps": ", ".join(map(str, sweeps)), "mixes": " | ".join(summary)})
+            for text, figures in summary.items():
+                run.log_metrics({f"{slug(text)}.{k}": v for k, v in figures.items()})
+            run.log_artifacts(table, "ensemble_mix")
+            print(f"MLflow run {run.run_id} (ensemble mix)", file=sys.stderr)
+    except tracking.TrackingUnavailable as exc:
+        print(f"not logged to MLflow ({exc}); the table is in {table}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("sweeps", nargs="+", type=Path, help="sweep result folders (sweeps/<name>)")
     ap.add_argument("--mix", action="append", required=True, help="LEVER:COUNT[,LEVER:COUNT...]")
     ap.add_argument("--prepared", type=Path, default=Path("data/prepared"))
     ap.add_argument("--max-false-alarm-rate", type=float, default=0.03)
-    ap.add_argument("--out", type=Path, help="also write the table (markdown) here")
+    ap.add_argument("--out", type=Path, help="the table (markdown); default: <first sweep>/ensemble_mix.md")
     args = ap.parse_args(argv)
 
     mixes = [(text, parse_mix(text)) for text in args.mix]
@@ -165,13 +184,15 @@ def main(argv: list[str] | None = None) -> int:
         f"by images / by parts | test AUC | oracle | accuracy |",
         "|---|---|---|---|---|---|---|",
     ]
-    layouts = []
+    layouts, summary = [], {}
     for text, mix in mixes:
         rows = [judge([probs[m] for m in members]) for members in combinations(mix, seeds)]
         mean = {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
         within = sum(r["far"] <= args.max_false_alarm_rate + 1e-9 for r in rows)
         within_parts = sum(r["far_parts"] <= args.max_false_alarm_rate + 1e-9 for r in rows)
         lowest = min(r["recall"] for r in rows)
+        summary[text] = {"recall_mean": mean["recall"], "recall_lowest": lowest, "auc_mean": mean["auc"],
+                         "within_budget_share": within / len(rows), "ensembles": len(rows)}  # fmt: skip
         lines.append(f"| {text} | {len(rows)} | {mean['recall']:.2f} ({lowest:.2f}) | {within} / {within_parts} of "
                      f"{len(rows)} | {mean['auc']:.3f} | {mean['oracle']:.2f} | {mean['accuracy']:.2f} |")  # fmt: skip
         for s, members in layout(mix, seeds):
@@ -182,8 +203,10 @@ def main(argv: list[str] | None = None) -> int:
               "|---|---|---|---|---|---|", *layouts]  # fmt: skip
     table = "\n".join(lines) + "\n"
     print(table)
-    if args.out:
-        args.out.write_text(table)
+    out = args.out or args.sweeps[0] / "ensemble_mix.md"
+    out.write_text(table)
+    first = runs[sorted(needed)[0]]
+    log_to_mlflow(yaml.safe_load((first["dir"] / "params.yaml").read_text())["mlflow"], args.sweeps, summary, out)
     return 0
 
 

@@ -123,6 +123,11 @@ def test_ensemble_mix_scores_the_swept_models_as_the_evaluate_stage_does(swept):
     assert rows["default:1,two epochs:1"].startswith("| default:1,two epochs:1 | 1 | ")
     # the layout train.ensemble_members would train for train.seed 3: only the one-lever mix has its seeds
     assert "| two epochs:1 | 3 | two epochs 3 |" in layouts and "default 3, two epochs 4" not in layouts
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    runs = client.search_runs(client.get_experiment_by_name("defect-detection").experiment_id)
+    logged = next(r for r in runs if r.info.run_name == "ensemble mix")
+    assert logged.data.metrics["two-epochs-1.auc_mean"] == pytest.approx(two["auc"])
+    assert [a.path for a in client.list_artifacts(logged.info.run_id, "ensemble_mix")] == ["ensemble_mix/mix.md"]
     bad = subprocess.run(
         [sys.executable, "experiments/ensemble_mix.py", "sweeps/tiny", "--mix", "gamma only:1"],
         cwd=project, env=env, capture_output=True, text=True, timeout=120,
