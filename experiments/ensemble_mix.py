@@ -46,19 +46,21 @@ def parse_mix(text: str) -> list[tuple[str, int]]:
 
 
 def finished_runs(folders: list[Path]) -> dict[tuple[str, int], dict]:
-    """(lever, seed) -> the run's result.json (with its folder), over every sweep folder given."""
+    """(lever, seed) -> the run's result.json, with its folder and its params.yaml (raw: older runs may
+    lack keys params.yaml has now), over every sweep folder given."""
     runs = {}
     for folder in folders:
         for result in sorted(folder.glob("*/seed*/result.json")):
             r = json.loads(result.read_text())
             if r.get("rc") == 0 and r.get("mlflow_run_id"):
-                runs[(r["lever"], int(r["seed"]))] = {**r, "dir": result.parent}
+                used = yaml.safe_load((result.parent / "params.yaml").read_text())
+                runs[(r["lever"], int(r["seed"]))] = {**r, "dir": result.parent, "params": used}
     if not runs:
         raise SystemExit(f"no finished sweep runs under {', '.join(map(str, folders))}")
     return runs
 
 
-def score_runs(runs: dict, needed: set, prepared: Path) -> dict:
+def score_runs(runs: dict, needed: list, prepared: Path) -> dict:
     """(lever, seed) -> (val probabilities, test probabilities) of the run's model, from MLflow."""
     import mlflow
 
@@ -69,9 +71,9 @@ def score_runs(runs: dict, needed: set, prepared: Path) -> dict:
     x_val, _, _ = load_split(prepared, "val")
     x_test, _, _ = load_split(prepared, "test")
     probs = {}
-    for key in sorted(needed):
+    for key in needed:
         run = runs[key]
-        used = yaml.safe_load((run["dir"] / "params.yaml").read_text())  # raw: older runs may lack newer keys
+        used = run["params"]
         mlflow.set_tracking_uri(os.environ.get("MLFLOW_TRACKING_URI", used["mlflow"]["tracking_uri"]))
         path = mlflow.artifacts.download_artifacts(run_id=run["mlflow_run_id"], artifact_path="model/model.pt")
         model, _ = load_model(Path(path))
@@ -168,13 +170,13 @@ def main(argv: list[str] | None = None) -> int:
             if len(seeds.get(lever, [])) < n:
                 raise SystemExit(f"--mix {text!r}: {lever!r} has {len(seeds.get(lever, []))} finished runs, "
                                  f"{n} needed (levers found: {', '.join(sorted(seeds))})")  # fmt: skip
+    needed = sorted({(lever, s) for _, mix in mixes for lever, _ in mix for s in seeds[lever]})
     info = read_summary(args.prepared)
-    for key in {(lever, s) for _, mix in mixes for lever, _ in mix for s in seeds[lever]}:
-        used = yaml.safe_load((runs[key]["dir"] / "params.yaml").read_text())
+    for key in needed:
+        used = runs[key]["params"]
         if used["data"]["ok_class"] != info["ok_class"] or used["prepare"]["image_size"] != info["image_size"]:
             raise SystemExit(f"{runs[key]['dir']}: trained on other data than {args.prepared} (ok class or size "
                              f"differs); run the sweep's last run again (dvc repro) first")  # fmt: skip
-    needed = {(lever, s) for _, mix in mixes for lever, _ in mix for s in seeds[lever]}
     probs = score_runs(runs, needed, args.prepared)
     judge = Judge(args.prepared, args.max_false_alarm_rate)
 
@@ -205,8 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     out = args.out or args.sweeps[0] / "ensemble_mix.md"
     out.write_text(table)
-    first = runs[sorted(needed)[0]]
-    log_to_mlflow(yaml.safe_load((first["dir"] / "params.yaml").read_text())["mlflow"], args.sweeps, summary, out)
+    log_to_mlflow(runs[needed[0]]["params"]["mlflow"], args.sweeps, summary, out)
     return 0
 
 
