@@ -308,10 +308,10 @@ def _check_values(p: Params) -> None:
         )
     for k, changes in enumerate(t.ensemble_members):
         for key in changes:
-            if not (key == "augment.policy" or key.startswith("train.")) or key in MEMBER_FIXED:
+            if not (key == "augment.policy" or key.startswith(("train.", "model."))) or key in MEMBER_FIXED:
                 problems.append(
-                    f"train.ensemble_members[{k}]: {key}: a member may change augment.policy and train.* keys "
-                    f"other than {', '.join(MEMBER_FIXED)} (the data, model and export are the ensemble's)"
+                    f"train.ensemble_members[{k}]: {key}: a member may change augment.policy, model.* and train.* "
+                    f"keys other than {', '.join(MEMBER_FIXED)} (the data and the export are the ensemble's)"
                 )
     if t.processes > 1 and t.distributed == "none":
         problems.append("train.processes: more than 1 process needs train.distributed: ddp or fsdp")

@@ -198,6 +198,9 @@ def full_model_state(model: nn.Module, d: Dist) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if not k.startswith("mask_head.")}
 
 
+MODEL_META = ("architecture", "global_pool", "input_norm")  # what it takes to rebuild a member's network
+
+
 def save_model(state: dict[str, torch.Tensor], meta: dict, path: Path) -> None:
     """The consolidated model that evaluate and export read: weights plus what it takes to rebuild it."""
     checkpoint.save_atomic({"version": checkpoint.CHECKPOINT_VERSION, "model": state, "meta": meta}, path)
@@ -211,18 +214,22 @@ def load_model(path: Path) -> tuple[DefectNet | Ensemble, dict]:
     if ckpt is None:
         raise FileNotFoundError(f"{path}: no readable trained model (run the train stage)")
     meta = ckpt["meta"]
-    cfg = ModelConfig(
-        name=meta["architecture"],
-        pretrained="false",
-        drop_rate=0.0,
-        global_pool=meta["global_pool"],
-        input_norm=meta["input_norm"],
-    )
+
+    def build(spec: dict) -> DefectNet:
+        cfg = ModelConfig(
+            name=spec["architecture"],
+            pretrained="false",
+            drop_rate=0.0,
+            global_pool=spec["global_pool"],
+            input_norm=spec["input_norm"],
+        )
+        return create_model(cfg, len(meta["classes"]), meta["channels"])
+
     members = meta.get("members", 1)
     if members == 1:
-        net: nn.Module = create_model(cfg, len(meta["classes"]), meta["channels"])
-    else:
-        net = Ensemble([create_model(cfg, len(meta["classes"]), meta["channels"]) for _ in range(members)])
+        net: nn.Module = build(meta)
+    else:  # each member its own network (train.ensemble_members may change model.*); older files: all alike
+        net = Ensemble([build(spec) for spec in meta.get("member_models", [meta] * members)])
     net.load_state_dict(ckpt["model"])
     return net.eval(), meta
 
@@ -347,8 +354,13 @@ def _train_ensemble(
         states.append(ckpt["model"])
         metas.append(ckpt["meta"])
     fp = hashlib.sha256("".join(m["fingerprint"] for m in metas).encode()).hexdigest()
+    models = [{key: m[key] for key in MODEL_META} for m in metas]
+    names = [m["architecture"] for m in metas]
     meta = {
         **metas[0],
+        # one name when every member is the same network; else each member's, in order (the model card's)
+        "architecture": names[0] if len(set(names)) == 1 else " + ".join(names),
+        "member_models": models,
         "fingerprint": fp,
         "members": len(metas),
         "member_seeds": [cfg.seed + k for k in range(len(metas))],

@@ -40,15 +40,21 @@ class WarmStart:
         ckpt = checkpoint.load(self.path)
         if ckpt is None:
             raise ConfigError(f"train.init_from: {self.path} is not a readable model file ({self.identity})")
-        if ckpt["meta"]["architecture"] != architecture:
+        meta, weights = ckpt["meta"], ckpt["model"]
+        members = meta.get("members", 1)
+        # an ensemble (train.ensemble): start from its first member of the same network
+        names = [m["architecture"] for m in meta.get("member_models", [meta] * members)]
+        if architecture not in names:
             raise ConfigError(
-                f"train.init_from: {self.identity} is a {ckpt['meta']['architecture']} model, but model.name is "
+                f"train.init_from: {self.identity} is a {meta['architecture']} model, but model.name is "
                 f"{architecture}; use train.init_from: none to change the architecture"
             )
-        own, weights = model.state_dict(), ckpt["model"]
-        if ckpt["meta"].get("members", 1) > 1:  # an ensemble (train.ensemble): start from its first member
-            weights = {k.removeprefix("members.0."): v for k, v in weights.items() if k.startswith("members.0.")}
-            log.info("warm start from the first of the %d members of %s", ckpt["meta"]["members"], self.identity)
+        own = model.state_dict()
+        if members > 1:
+            k = names.index(architecture)
+            prefix = f"members.{k}."
+            weights = {key.removeprefix(prefix): v for key, v in weights.items() if key.startswith(prefix)}
+            log.info("warm start from member %d of the %d members of %s", k, members, self.identity)
         usable = {k: v for k, v in weights.items() if k in own and own[k].shape == v.shape}
         fresh = sorted(k for k in own if k not in usable)
         model.load_state_dict(usable, strict=False)

@@ -45,7 +45,11 @@ def test_the_shipped_params_load():
         ),
         (
             lambda p: p["train"].update(ensemble=2, ensemble_members=[{}, {"prepare.image_size": 64}]),
-            "train.ensemble_members[1]: prepare.image_size: a member may change augment.policy and train.*",
+            "train.ensemble_members[1]: prepare.image_size: a member may change augment.policy, model.* and train.*",
+        ),
+        (
+            lambda p: p["train"].update(ensemble=2, ensemble_members=[{}, {"model.global_pool": "mean"}]),
+            "train.ensemble_members[1]: model.global_pool: expected one of",
         ),
         (
             lambda p: p["train"].update(ensemble=2, ensemble_members=[{}, {"train.lr": "fast"}]),

@@ -291,3 +291,41 @@ def test_ensemble_members_train_with_their_own_param_changes(prepared_project, t
     assert run_train(single, alone).returncode == 0
     member1 = checkpoint.load(ckpt_dir(tmp_path) / "member-1/model.pt")["model"]
     assert same_weights(member1, model_weights(single))
+
+
+def test_an_ensemble_may_mix_networks(prepared_project, tmp_path):
+    """train.ensemble_members may change model.*: member 1 is a ResNet beside an EfficientNet. The saved
+    ensemble rebuilds each member's own network, its card names both, it exports with parity, and a warm
+    start of a ResNet from it takes the ResNet member's weights."""
+    from pipeline.train import load_model
+    from tests.conftest import run_stages_in
+
+    shutil.copytree(prepared_project, tmp_path, dirs_exist_ok=True)
+    p = params(ensemble=2, ema=0.0, epochs=1, ensemble_members=[{}, {"model.name": "test_resnet"}])
+    proc = run_train(tmp_path, p)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    net, meta = load_model(tmp_path / "models/train/model.pt")
+    assert meta["architecture"] == "test_efficientnet + test_resnet"
+    assert [m["architecture"] for m in meta["member_models"]] == ["test_efficientnet", "test_resnet"]
+    assert [type(m.backbone).__name__ for m in net.members] == ["EfficientNet", "ResNet"]
+
+    single = tmp_path / "single"
+    shutil.copytree(prepared_project, single)
+    alone = params(ema=0.0, epochs=1, seed=1)
+    alone["model"]["name"] = "test_resnet"
+    assert run_train(single, alone).returncode == 0
+    assert same_weights(net.members[1].state_dict(), model_weights(single))
+
+    run_stages_in(tmp_path, p, ["evaluate", "export"])
+    parity = json.loads((tmp_path / "reports/export/parity.json").read_text())["fp32"]
+    assert parity["prob_max_abs_diff"] <= p["export"]["max_abs_diff"] and parity["decision_flips"] == 0
+    card = json.loads((tmp_path / "models/export/model.card.json").read_text())
+    assert card["architecture"] == "test_efficientnet + test_resnet"
+
+    warm = tmp_path / "warm"
+    shutil.copytree(prepared_project, warm)
+    resnet = params(ema=0.0, epochs=1, init_from=str(tmp_path / "models/train/model.pt"))
+    resnet["model"]["name"] = "test_resnet"
+    proc = run_train(warm, resnet)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "warm start from member 1 of the 2 members" in proc.stderr
