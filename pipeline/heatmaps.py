@@ -4,7 +4,11 @@ Grad-CAM weights a convolutional layer's feature maps by the gradient of one cla
 positive part: the regions that raise that class. We take the deepest layer with stride 16 (8 x 8
 cells at 128 px; the last layer's 4 x 4 is too coarse to point at a crack) and the image's *true*
 class, so a defect image classified right for the wrong reason (the background, the padding, a
-border) shows up as a miss.
+border) shows up as a miss. An ensemble's heatmap is the mean of its members' heatmaps, each for its
+own logit of that class and scaled to [0, 1] first: every member has the same say, as in the mean of
+their probabilities, and no member's gradient scale outweighs the others. It points best of the ways
+measured (README, *Heatmaps*): the ensemble's output at member 0's layer scored 0.39 against 0.62 on the
+synthetic data.
 
 Pointing game (Zhang et al., 2016): a hit when the heatmap's peak falls inside the defect mask,
 dilated by ``tolerance`` pixels: 1/16 of the side, the benchmark's 15 pixels at 224 px scaled, and half
@@ -22,7 +26,7 @@ import torch
 from captum.attr import LayerAttribution, LayerGradCam
 from torch import nn
 
-from pipeline.model import feature_layer
+from pipeline.model import Ensemble, feature_layer
 from pipeline.prepare import load_mask
 
 log = logging.getLogger(__name__)
@@ -35,6 +39,8 @@ def cam_layer(net: nn.Module) -> nn.Module:
 
 def gradcam(net: nn.Module, images: np.ndarray, targets: np.ndarray, batch_size: int = 16) -> np.ndarray:
     """(N, S, S, C) uint8 images, (N,) class indices -> (N, S, S) heatmaps scaled to [0, 1] per image."""
+    if isinstance(net, Ensemble):
+        return _unit(np.mean([gradcam(m, images, targets, batch_size) for m in net.members], axis=0))
     net = net.eval()
     cam = LayerGradCam(net, cam_layer(net))
     size = images.shape[1]
@@ -45,7 +51,11 @@ def gradcam(net: nn.Module, images: np.ndarray, targets: np.ndarray, batch_size:
         attr = cam.attribute(x, target=t, relu_attributions=True)  # (n, 1, h, w) at the layer's resolution
         up = LayerAttribution.interpolate(attr, (size, size), interpolate_mode="bilinear")[:, 0]
         out.append(up.detach().numpy())
-    maps = np.concatenate(out) if out else np.zeros((0, size, size), np.float32)
+    return _unit(np.concatenate(out) if out else np.zeros((0, size, size), np.float32))
+
+
+def _unit(maps: np.ndarray) -> np.ndarray:
+    """Each map divided by its peak (all-zero maps stay zero)."""
     peak = maps.reshape(len(maps), -1).max(axis=1).reshape(-1, 1, 1)
     return np.where(peak > 0, maps / np.maximum(peak, 1e-12), 0.0).astype(np.float32)
 

@@ -99,11 +99,6 @@ class Ensemble(nn.Module):
         super().__init__()
         self.members = nn.ModuleList(members)
 
-    @property
-    def backbone(self) -> nn.Module:
-        """The first member's backbone: Grad-CAM shows where that member looks."""
-        return self.members[0].backbone
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = torch.stack([m(x).float().softmax(dim=1) for m in self.members]).mean(dim=0)
         return probs.clamp_min(1e-12).log()
