@@ -10,8 +10,8 @@
 Every variant is scored against the fp32 model on the test images (accuracy, per-class recall, defect
 recall and false alarms at the card's threshold, decisions that flip and which images, score
 differences, file size, latency side by side) and gated: a variant that loses too much recall or
-accuracy, or is not fast enough, stays on disk for inspection but its card says it is not deployable
-and why. The card also names the variant to use per execution provider.
+accuracy, raises the false alarms too much, or is not fast enough, stays on disk for inspection but
+its card says it is not deployable and why. The card also names the variant to use per execution provider.
 """
 
 from __future__ import annotations
@@ -161,6 +161,12 @@ def gate(report: dict, cfg: ExportConfig) -> dict[str, str]:
                 why.append(
                     f"accuracy {r['accuracy']:.3f} vs fp32 {ref['accuracy']:.3f}: drop {acc_drop:.3f} > "
                     f"export.max_accuracy_drop={cfg.max_accuracy_drop}"
+                )
+            rise = r["false_alarm_rate"] - ref["false_alarm_rate"]
+            if rise > cfg.max_false_alarm_rise:  # e.g. an int8 model whose scores all moved up: it flags every part
+                why.append(
+                    f"false alarms {r['false_alarm_rate']:.3f} vs fp32 {ref['false_alarm_rate']:.3f}: "
+                    f"rise {rise:.3f} > export.max_false_alarm_rise={cfg.max_false_alarm_rise}"
                 )
             need = cfg.min_speedup.get(v, 0.0)
             if r["speedup_vs_fp32"] < need:

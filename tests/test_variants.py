@@ -86,3 +86,21 @@ def test_each_calibration_method_gives_a_working_int8_model(exported_project, tm
     dataclasses.replace(card, sha256=sha256_file(out)).write(card_path_for(out))
     probs, score = Runner(out, providers="cpu", force=True).predict(x_train[:4])
     assert probs.shape == (4, len(card.classes)) and np.isfinite(score).all()
+
+
+def test_a_variant_that_flags_every_ok_image_is_not_deployable():
+    """Measured on an ensemble's int8 export: every score moved up by ~0.13, so at the card's threshold it
+    flagged all test OK images; its recall rose and its accuracy fell by only 0.011."""
+    from pipeline.config import params_from_dict
+    from pipeline.variants import gate
+
+    cfg = params_from_dict(tiny_params()).export
+    row = {"prob_max_abs_diff": 1e-5, "speedup_vs_fp32": 1.0}
+    report = {
+        "fp32": row | {"accuracy": 0.925, "defect_recall": 0.978, "false_alarm_rate": 0.084},
+        "fp16": row | {"accuracy": 0.925, "defect_recall": 0.978, "false_alarm_rate": 0.095},
+        "int8": row | {"accuracy": 0.914, "defect_recall": 1.0, "false_alarm_rate": 1.0, "speedup_vs_fp32": 1.07},
+    }
+    reasons = gate(report, cfg)
+    assert reasons["fp32"] == "" and reasons["fp16"] == ""  # one more OK image flagged of 95: within 0.02
+    assert reasons["int8"] == "false alarms 1.000 vs fp32 0.084: rise 0.916 > export.max_false_alarm_rise=0.02"
