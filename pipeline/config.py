@@ -143,7 +143,7 @@ class ExportConfig:
     int8: Int8Config
     max_defect_recall_drop: float  # a variant losing more defect recall than this vs fp32 is not deployable
     max_accuracy_drop: float
-    max_false_alarm_rise: float  # OK images flagged at the card's threshold, vs fp32
+    max_false_alarm_rise: float  # the most the share of test OK images flagged at the card's threshold may rise
     min_speedup: dict[str, float]  # per variant, batch-1 latency vs fp32 on this machine's provider
     latency_repeats: int
 
