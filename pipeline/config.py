@@ -100,6 +100,7 @@ class TrainConfig:
     monitor: Literal["val_loss", "val_auc", "val_recall_at_far", "last"]
     early_stopping_patience: int  # epochs without a better monitor value before stopping; 0 = off
     class_weighting: Literal["none", "loss", "sampling"]  # for imbalanced classes
+    majority_per_epoch: float  # share of the most frequent class's images drawn anew in each epoch; 1 = all
     precision: Literal["auto", "fp32", "fp16", "bf16"]
     device: Literal["auto", "cpu", "cuda"]
     channels_last: bool  # weights in channels_last (NHWC) memory layout, like the uint8 NHWC input
@@ -324,6 +325,15 @@ def _check_values(p: Params) -> None:
     for key in ("focal_gamma", "ranking_loss", "mask_loss"):
         if getattr(t, key) < 0:
             problems.append(f"train.{key}: must be >= 0 (0 = off), got {getattr(t, key)}")
+    if not 0 < t.majority_per_epoch <= 1:
+        problems.append(
+            f"train.majority_per_epoch: a share in (0, 1] (1 = every image every epoch), got {t.majority_per_epoch}"
+        )
+    if t.majority_per_epoch < 1 and t.class_weighting == "sampling":
+        problems.append(
+            "train.majority_per_epoch: only with train.class_weighting none or loss "
+            "(class-balanced sampling already draws the classes evenly)"
+        )
     if not 0 <= t.ema < 1:
         problems.append(f"train.ema: a decay in [0, 1), got {t.ema}")
     if t.keep_last < 1 or t.keep_best < 1:

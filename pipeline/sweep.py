@@ -117,7 +117,8 @@ def read_result(run_dir: Path, lever: str, seed: int, wall_s: float, rc: int) ->
         row["per_class_recall"] = {c: round(v["recall"], 3) for c, v in per_class.items()}
         t = json.loads((run_dir / "reports/train/metrics.json").read_text())
         if t.get("train_img_s"):  # training alone, without the stages before and after it
-            row["train_s"] = round(t["epochs_run"] * t["train_images"] / t["train_img_s"], 1)
+            per_epoch = t.get("epoch_images", t["train_images"])
+            row["train_s"] = round(t["epochs_run"] * per_epoch / t["train_img_s"], 1)
     return row
 
 

@@ -433,7 +433,9 @@ def _train(
     x_va, y_va, _ = load_split(prepared_dir, "val")
     g_va = load_groups(prepared_dir, "val")
     m_tr = train_masks(prepared_dir, len(y_tr)) if cfg.mask_loss > 0 else None
-    sampler = EpochBatches(y_tr, cfg.batch_size, cfg.seed, d.rank, d.world_size, cfg.class_weighting == "sampling")
+    sampler = EpochBatches(
+        y_tr, cfg.batch_size, cfg.seed, d.rank, d.world_size, cfg.class_weighting == "sampling", cfg.majority_per_epoch
+    )
     loader = DataLoader(
         ImageDataset(x_tr, y_tr, build_policy(params.augment.policy), masks=m_tr),
         batch_sampler=sampler,
@@ -598,7 +600,7 @@ def _train(
             save_checkpoint(progress)
         if not d.is_main:
             return None
-        return finish(run, state, cfg, store.root, out_dir, reports_dir, rt, steps, len(y_tr))
+        return finish(run, state, cfg, store.root, out_dir, reports_dir, rt, steps, len(y_tr), sampler.n)
 
 
 @contextlib.contextmanager
@@ -720,6 +722,7 @@ def finish(
     rt: Runtime,
     steps: int,
     n_train: int,
+    epoch_images: int,
 ) -> dict:
     """Rank 0, after the last epoch: the best model to model.pt, run.json, history, curves, metrics."""
     best_file = ckpt_root / state["best_models"][0][1]
@@ -745,6 +748,7 @@ def finish(
         "stopped_early": state["stopped_early"],
         "steps": state["global_step"],
         "train_images": n_train,
+        "epoch_images": epoch_images,  # fewer than train_images with train.majority_per_epoch < 1
         "train_img_s": float(np.median([r["train_img_s"] for r in state["history"]])),
         "device": str(rt.device),
         "precision": rt.precision,

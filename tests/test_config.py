@@ -39,6 +39,11 @@ def test_the_shipped_params_load():
         (lambda p: p["train"].update(monitor="last", early_stopping_patience=3), "train.early_stopping_patience"),
         (lambda p: p["train"].update(focal_gamma=-2), "train.focal_gamma: must be >= 0 (0 = off), got -2"),
         (lambda p: p["train"].update(mask_loss=-1.0), "train.mask_loss: must be >= 0 (0 = off), got -1.0"),
+        (lambda p: p["train"].update(majority_per_epoch=0), "train.majority_per_epoch: a share in (0, 1]"),
+        (
+            lambda p: p["train"].update(majority_per_epoch=0.5, class_weighting="sampling"),
+            "train.majority_per_epoch: only with train.class_weighting none or loss",
+        ),
         (
             lambda p: p["train"].update(ensemble=2, ensemble_members=[{}]),
             "train.ensemble_members: one entry per member",

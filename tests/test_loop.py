@@ -49,6 +49,21 @@ def test_balanced_sampling_evens_out_the_classes():
     assert np.allclose(counts, 1 / 3, atol=0.03), counts
 
 
+def test_majority_per_epoch_draws_a_fresh_share_of_the_largest_class_and_keeps_every_other_image():
+    s = EpochBatches(LABELS, 10, seed=0, majority=0.5)  # 70 OK-like images of class 0: 35 per epoch, + 30 others
+    assert len(s) == 6  # 65 images per epoch -> 6 batches of 10
+    seen = [epoch_indices(s, e) for e in range(4)]
+    for indices in seen:
+        counts = np.bincount(LABELS[indices], minlength=3)
+        assert counts[0] <= 35 and counts[0] >= 25, counts  # the share (less what the last partial batch cuts)
+        assert len(set(indices)) == len(indices)  # no image twice in an epoch
+    majority_sets = [{i for i in indices if LABELS[i] == 0} for indices in seen]
+    assert majority_sets[0] != majority_sets[1]  # a new draw every epoch, so over the run every image is used
+    assert len(set().union(*majority_sets)) > 60
+    every = EpochBatches(LABELS, 10, seed=0)
+    assert len(every) == 10 and sorted(epoch_indices(every, 0)) == list(range(100))
+
+
 def test_ema_tracks_the_weights_and_is_swapped_in_only_inside_its_block():
     model = torch.nn.Linear(4, 2)
     ema = EMA(model, decay=0.5)
