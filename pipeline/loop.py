@@ -59,7 +59,7 @@ class EpochBatches(Sampler[list[tuple[int, int]]]):
         top = int(counts.argmax())
         self.majority_idx = torch.from_numpy(np.flatnonzero(labels == top))
         self.rest_idx = torch.from_numpy(np.flatnonzero(labels != top))
-        self.majority_kept = len(self.majority_idx) if majority >= 1 else round(majority * len(self.majority_idx))
+        self.majority_kept = round(majority * len(self.majority_idx))
         self.n = len(self.rest_idx) + self.majority_kept  # images per epoch
         self.per_rank = self.n // world
         if self.per_rank == 0:
