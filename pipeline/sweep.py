@@ -115,11 +115,20 @@ def read_result(run_dir: Path, lever: str, seed: int, wall_s: float, rc: int) ->
         row.update({short: m.get(key) for short, key in EVALUATE_KEYS.items()})
         per_class = json.loads((run_dir / "reports/evaluate/per_class.json").read_text())
         row["per_class_recall"] = {c: round(v["recall"], 3) for c, v in per_class.items()}
-        t = json.loads((run_dir / "reports/train/metrics.json").read_text())
-        if t.get("train_img_s"):  # training alone, without the stages before and after it
-            per_epoch = t.get("epoch_images", t["train_images"])
-            row["train_s"] = round(t["epochs_run"] * per_epoch / t["train_img_s"], 1)
+        row["train_s"] = training_seconds(json.loads((run_dir / "reports/train/metrics.json").read_text()))
     return row
+
+
+def training_seconds(t: dict) -> float | None:
+    """Training alone, without the stages before and after it, from the train stage's metrics.json; an
+    ensemble's is the sum of its members' (its own summary has no epoch count: members may differ)."""
+    if "members" in t:
+        parts = [training_seconds(m) for m in t["members"]]
+        return None if None in parts else round(sum(parts), 1)
+    if not t.get("train_img_s"):
+        return None
+    per_epoch = t.get("epoch_images", t["train_images"])
+    return round(t["epochs_run"] * per_epoch / t["train_img_s"], 1)
 
 
 def stage_env() -> dict[str, str]:

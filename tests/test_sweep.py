@@ -35,7 +35,11 @@ def swept(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     project = copy_project(tmp_path_factory.mktemp("sweep"))
     write(project / "params.yaml", tiny_params(**{"model.name": "test_efficientnet"}))
     subprocess.run(["git", "add", "-A"], cwd=project, check=True)
-    levers = {"name": "tiny", "seeds": [3], "levers": {"default": {}, "two epochs": {"train.epochs": 2}}}
+    levers = {
+        "name": "tiny",
+        "seeds": [3],
+        "levers": {"default": {}, "two epochs": {"train.epochs": 2}, "two members": {"train.ensemble": 2}},
+    }
     write(project / "sweeps/tiny.yaml", levers)
     return project, sweep(project, "sweeps/tiny.yaml")
 
@@ -43,7 +47,7 @@ def swept(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
 def test_each_lever_runs_the_pipeline_with_its_params_and_the_table_reports_its_figures(swept):
     project, proc = swept
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "[1/2] default, seed 3" in proc.stdout and "[2/2] two epochs, seed 3" in proc.stdout
+    assert "[1/3] default, seed 3" in proc.stdout and "[2/3] two epochs, seed 3" in proc.stdout
     out = project / "sweeps/tiny"
     for lever, epochs in (("default", 1), ("two-epochs", 2)):
         run = out / lever / "seed3"
@@ -57,6 +61,11 @@ def test_each_lever_runs_the_pipeline_with_its_params_and_the_table_reports_its_
     two = next(r for r in rows if r["lever"] == "two epochs")
     assert two["recall_at_far"] == evaluation["defect_recall_at_far_threshold"]
     assert two["auc"] == evaluation["roc_auc"] and two["accuracy"] == evaluation["accuracy"]
+    # an ensemble's training time is its members' together (its own metrics.json has no epoch count)
+    members = json.loads((out / "two-members/seed3/reports/train/metrics.json").read_text())["members"]
+    assert len(members) == 2 and all(m["epochs_run"] == 1 for m in members)
+    each = [m["epoch_images"] / m["train_img_s"] for m in members]
+    assert next(r for r in rows if r["lever"] == "two members")["train_s"] == pytest.approx(sum(each), abs=0.2)
     table = (out / "summary.md").read_text()
     assert f'| two epochs | `{{"train.epochs": 2}}` | {two["recall_at_far"]:.2f} ({two["far"]:.2f})' in table
     assert (out / "levers.png").stat().st_size > 0
@@ -79,7 +88,7 @@ def test_the_sweep_is_an_mlflow_run_with_the_trainings_nested_under_it(swept):
     }
     assert "two-epochs.recall_at_far_mean" in parent.data.metrics
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
-    assert sorted(r.data.tags["sweep.lever"] for r in children) == ["default", "two epochs"]
+    assert sorted(r.data.tags["sweep.lever"] for r in children) == ["default", "two epochs", "two members"]
     assert all(r.data.params["train.epochs"] in ("1", "2") for r in children)  # the training runs themselves
 
 
@@ -87,7 +96,7 @@ def test_a_second_sweep_keeps_finished_runs(swept):
     project, _ = swept
     proc = sweep(project, "sweeps/tiny.yaml")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.count("done before, kept") == 2 and "dvc repro evaluate (log" not in proc.stdout
+    assert proc.stdout.count("done before, kept") == 3 and "dvc repro evaluate (log" not in proc.stdout
 
 
 def test_a_lever_naming_a_missing_param_stops_before_anything_runs(tmp_path):
