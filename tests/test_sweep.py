@@ -13,7 +13,7 @@ from mlflow.tracking import MlflowClient
 
 from pipeline.config import ConfigError
 from pipeline.sweep import load_sweep, plan
-from tests.conftest import copy_project, load_default_params, tiny_params, venv_env
+from tests.conftest import ROOT, copy_project, load_default_params, tiny_params, venv_env
 
 
 def write(path: Path, data: dict) -> Path:
@@ -110,6 +110,14 @@ def test_a_lever_naming_a_missing_param_stops_before_anything_runs(tmp_path):
         load_sweep(write(tmp_path / "s.yaml", {"seeds": "0-2", "levers": {"a": {}}}))
     with pytest.raises(ConfigError, match="not found"):
         load_sweep(tmp_path / "absent.yaml")
+
+
+@pytest.mark.parametrize("levers", sorted((ROOT / "sweeps").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_levers_file_plans_against_the_default_params(levers):
+    """The sweeps the README points at (the measured levers of the tile docs) still name real keys and
+    valid values of params.yaml: a renamed param fails here, not an hour into someone's sweep."""
+    runs = plan(load_sweep(levers), load_default_params())
+    assert runs and all(p["train"]["seed"] == seed for _, seed, p in runs)
 
 
 def test_ensemble_mix_scores_the_swept_models_as_the_evaluate_stage_does(swept):
