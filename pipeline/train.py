@@ -371,6 +371,7 @@ def _train_ensemble(
     out_dir.mkdir(parents=True, exist_ok=True)
     save_model(state, meta, out_dir / "model.pt")
     net, _ = load_model(out_dir / "model.pt")
+    net = net.to(rt.device)  # load_model builds on the CPU; the val arrays go to rt.device (a GPU: found on an H200)
     info = read_summary(prepared_dir)
     x_va, y_va, _ = load_split(prepared_dir, "val")
     ok_index = info["classes"].index(info["ok_class"])
