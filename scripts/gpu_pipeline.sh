@@ -5,12 +5,13 @@
 #   scripts/gpu_pipeline.sh pack EXP   (here) EXP is a checkout where `dvc repro augment` has run (e.g. on the
 #                                      magnetic tiles): copies its prepared data (recompressed), the reports
 #                                      the train stage reads, params.yaml and the raw masks into .gpu/exp, and
-#                                      downloads the missing pure-Python/cp312 wheels into .gpu/whl (~40 MB).
+#                                      downloads the missing pure-Python/cp312 wheels into .gpu/whl (.gpu: ~40 MB in all).
 #                                      Add `/.gpu/` to .git/info/exclude; it travels as a carried path.
 #   scripts/gpu_pipeline.sh run        (there) installs the wheels into /tmp/site, runs the stages in a copy
 #                                      of the tree under /tmp/gpu-pipeline with a file MLflow store, and
 #                                      writes train/evaluate logs, seconds per stage and the reports to
-#                                      ${OUT:-reports/gpu}.
+#                                      ${OUT:-reports/gpu}. WHL_DIR overrides .gpu/whl (e.g. cp311 wheels,
+#                                      to try it on this machine first).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -57,11 +58,11 @@ run() {
   local out=${OUT:-reports/gpu} work=/tmp/gpu-pipeline
   mkdir -p "$out"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${WHL_DIR:-.gpu/whl}"/*.whl \
-    || { echo "run: installing .gpu/whl failed" >&2; exit 1; }
+    || { echo "run: installing the wheels in ${WHL_DIR:-.gpu/whl} failed" >&2; exit 1; }
   rm -rf "$work" && mkdir -p "$work"
   cp -r pipeline serving stages pyproject.toml "$work"/ && cp -r .gpu/exp/. "$work"/
   cd "$work" || exit 1
-  export PYTHONPATH="/tmp/site:$work" PYTHONUNBUFFERED=1 TQDM_DISABLE=1 \
+  export PYTHONPATH="/tmp/site:$work" PYTHONUNBUFFERED=1 \
     MLFLOW_ALLOW_FILE_STORE=true MLFLOW_TRACKING_URI="file:$work/mlruns"
   python3 -c 'import torch, timm; print("torch", torch.__version__, "timm", timm.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")' \
     | tee "$out/pipeline_env.txt"
