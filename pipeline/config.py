@@ -72,6 +72,7 @@ class AugmentConfig:
     policy: list[dict[str, Any]]  # albumentations transforms: [{name: HorizontalFlip, p: 0.5}, ...]
     preview_per_class: int
     balance: float  # raise each class to this share of the largest in train, with augmented copies; 0 = off
+    orientation: Literal["auto", "free", "fixed"]  # the policy's flips and turns: kept, dropped, or as the images say
 
 
 @dataclass(frozen=True)
@@ -310,9 +311,10 @@ def _check_values(p: Params) -> None:
         )
     for k, changes in enumerate(t.ensemble_members):
         for key in changes:
-            if not (key == "augment.policy" or key.startswith(("train.", "model."))) or key in MEMBER_FIXED:
+            if not (key in MEMBER_AUGMENT or key.startswith(("train.", "model."))) or key in MEMBER_FIXED:
                 problems.append(
-                    f"train.ensemble_members[{k}]: {key}: a member may change augment.policy, model.* and train.* "
+                    f"train.ensemble_members[{k}]: {key}: a member may change augment.policy, augment.orientation, "
+                    "model.* and train.* "
                     f"keys other than {', '.join(MEMBER_FIXED)} (the data and the export are the ensemble's)"
                 )
     if t.processes > 1 and t.distributed == "none":
@@ -351,6 +353,7 @@ def _check_values(p: Params) -> None:
 
 
 # The keys an ensemble member cannot change: they define the ensemble itself or how it is launched.
+MEMBER_AUGMENT = ("augment.policy", "augment.orientation")  # how a member sees the images; the rest is the data's
 MEMBER_FIXED = ("train.ensemble", "train.ensemble_members", "train.distributed", "train.processes")
 
 

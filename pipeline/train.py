@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from pipeline import checkpoint, distributed, tracking
-from pipeline.augment import ImageDataset, build_policy
+from pipeline.augment import ImageDataset, build_policy, resolve_policy
 from pipeline.config import ConfigError, Params, as_flat_dict, member_params
 from pipeline.distributed import Dist, unwrap
 from pipeline.loop import (
@@ -437,8 +437,12 @@ def _train(
     sampler = EpochBatches(
         y_tr, cfg.batch_size, cfg.seed, d.rank, d.world_size, cfg.class_weighting == "sampling", cfg.majority_per_epoch
     )
+    # the same decision as the augment stage's (reports/augment/orientation.json), also for a member's own policy
+    policy, pose = resolve_policy(
+        params.augment.policy, params.augment.orientation, load_split(prepared_dir, "train")[0]
+    )
     loader = DataLoader(
-        ImageDataset(x_tr, y_tr, build_policy(params.augment.policy), masks=m_tr),
+        ImageDataset(x_tr, y_tr, build_policy(policy), masks=m_tr),
         batch_sampler=sampler,
         num_workers=cfg.num_workers,
         pin_memory=rt.device.type == "cuda",
@@ -529,6 +533,7 @@ def _train(
         "init_from": init.identity if init else "",
     }
     tags = {"init_from": init.identity, "init_from.run_id": init.run_id} if init is not None else {}
+    tags["augment.flips_and_turns"] = pose["flips_and_turns"]  # augment.orientation's decision (auto: the images')
     label = f"{info['image_size']}px"
     run_ctx = open_train_run(params, state["run_id"], label, fp, tags, data_reports) if d.is_main else None
     with run_ctx or contextlib.nullcontext() as run:

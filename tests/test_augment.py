@@ -8,9 +8,19 @@ import albumentations as A
 import numpy as np
 import pytest
 
-from pipeline.augment import ImageDataset, apply_policy, balance_copies, build_policy, save_policy
+from pipeline.augment import (
+    ImageDataset,
+    apply_policy,
+    balance_copies,
+    build_policy,
+    pose_of,
+    resolve_policy,
+    save_policy,
+    without_orientation,
+)
 from pipeline.config import ConfigError
-from tests.conftest import load_default_params
+from serving.preprocess import load_image
+from tests.conftest import REAL_DATA, load_default_params
 
 
 def test_default_policy_round_trips(tmp_path):
@@ -97,3 +107,67 @@ def test_the_default_policy_leaves_about_half_the_training_images_as_they_are():
     data = ImageDataset(img[None], np.array([0]), policy)
     unchanged = sum(np.array_equal(data[(0, seed)][0].numpy(), img) for seed in range(400))
     assert 180 <= unchanged <= 260, unchanged  # about 0.54 x 400 expected; binomial sd ~10
+
+
+def lit_parts(n: int, one_pose: bool, seed: int = 0) -> np.ndarray:
+    """Parts lit from one side with edges running one way (grooves); ``one_pose``: every image as a fixed
+    camera shows it, else each in one of the eight mirrored and turned views."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:32, 0:32] / 31.0
+    out = []
+    for _ in range(n):
+        img = 90 + 80 * y + 30 * np.sin(x * 40 + rng.uniform(0, 6)) + rng.normal(0, 12, (32, 32))
+        if not one_pose:
+            img = np.rot90(img, rng.integers(4))
+            img = img[:, ::-1] if rng.integers(2) else img
+        out.append(np.clip(img, 0, 255).astype(np.uint8))
+    return np.stack(out)[..., None].repeat(3, axis=-1)
+
+
+def test_auto_orientation_drops_flips_and_turns_only_where_the_images_have_a_pose():
+    policy = load_default_params()["augment"]["policy"]
+    gamma_only = [
+        {"name": "Sequential", "p": 0.5, "transforms": [{"name": "RandomGamma", "gamma_limit": [70, 150], "p": 0.5}]}
+    ]
+    fixed, report = resolve_policy(policy, "auto", lit_parts(200, one_pose=True))
+    assert fixed == gamma_only and report["pose"] == "fixed" and report["flips_and_turns"] == "dropped"
+    assert report["dropped"] == ["HorizontalFlip", "RandomRotate90", "VerticalFlip"]
+    assert report["effects"]["light_top_bottom"] > 1 and report["effects"]["edges_vertical_horizontal"] > 1
+    free, report = resolve_policy(policy, "auto", lit_parts(200, one_pose=False))
+    assert free == policy and report["pose"] == "free" and report["dropped"] == []
+    assert max(report["effects"].values()) < report["threshold"] == pytest.approx(4 / np.sqrt(200), abs=1e-3)
+    # the user's word wins over the measurement either way
+    assert resolve_policy(policy, "free", lit_parts(200, one_pose=True))[0] == policy
+    assert resolve_policy(policy, "fixed", lit_parts(200, one_pose=False))[0] == gamma_only
+
+
+def test_a_few_images_must_show_a_pose_clearly():
+    """Ten images in random views can line up by chance: the threshold grows with the standard error."""
+    report = pose_of(lit_parts(10, one_pose=False, seed=3))
+    assert report["threshold"] == pytest.approx(4 / np.sqrt(10), abs=1e-3) and report["pose"] == "free"
+    assert pose_of(lit_parts(10, one_pose=True))["pose"] == "fixed"
+
+
+def test_without_orientation_reaches_into_composes_and_drops_emptied_ones():
+    policy = [
+        {"name": "D4"},
+        {"name": "OneOf", "transforms": [{"name": "Transpose"}, {"name": "HorizontalFlip"}]},
+        {"name": "OneOf", "p": 0.3, "transforms": [{"name": "VerticalFlip"}, {"name": "GaussianBlur"}]},
+        {"name": "RandomGamma"},
+    ]
+    assert without_orientation(policy) == [
+        {"name": "OneOf", "p": 0.3, "transforms": [{"name": "GaussianBlur"}]},
+        {"name": "RandomGamma"},
+    ]
+    build_policy(without_orientation(policy))  # still a policy albumentations builds
+
+
+@pytest.mark.skipif(not REAL_DATA.is_dir(), reason=f"the magnetic tile photographs are not at {REAL_DATA}")
+def test_the_magnetic_tile_photographs_have_a_pose():
+    """A fixed camera and light: every tile lit the same way, its edges along one axis. auto drops the
+    flips and turns there (mirrored views cost recall, README)."""
+    files = sorted(p for p in REAL_DATA.rglob("*") if p.suffix.lower() in {".jpg", ".png"})[::4]
+    images = np.stack([load_image(f, 128, 3, "letterbox") for f in files])
+    report = pose_of(images)
+    assert report["pose"] == "fixed", report
+    assert report["effects"]["light_top_bottom"] > 0.4 and report["effects"]["edges_vertical_horizontal"] > 1

@@ -7,7 +7,7 @@ import copy
 import pytest
 import yaml
 
-from pipeline.config import ConfigError, load_params, params_from_dict
+from pipeline.config import ConfigError, load_params, member_params, params_from_dict
 from tests.conftest import ROOT, load_default_params
 
 
@@ -26,6 +26,7 @@ def test_the_shipped_params_load():
         (lambda p: p["train"].update(epochs=2.5), "train.epochs: expected an integer"),
         (lambda p: p["prepare"].update(resize="crop"), "prepare.resize: expected one of ['letterbox', 'squash']"),
         (lambda p: p["data"].update(channels=2), "data.channels: expected one of [1, 3]"),
+        (lambda p: p["augment"].update(orientation="upright"), "augment.orientation: expected one of ['auto', "),
         (lambda p: p["data"]["synthetic"]["counts"].update(ok="many"), "data.synthetic.counts.ok: expected an integer"),
         (lambda p: p.pop("export"), "export: missing key"),
         (lambda p: p.update(extra={}), "extra: unknown key"),
@@ -50,11 +51,15 @@ def test_the_shipped_params_load():
         ),
         (
             lambda p: p["train"].update(ensemble=2, ensemble_members=[{}, {"prepare.image_size": 64}]),
-            "train.ensemble_members[1]: prepare.image_size: a member may change augment.policy, model.* and train.*",
+            "train.ensemble_members[1]: prepare.image_size: a member may change augment.policy, augment.orientation, ",
         ),
         (
             lambda p: p["train"].update(ensemble=2, ensemble_members=[{}, {"model.global_pool": "mean"}]),
             "train.ensemble_members[1]: model.global_pool: expected one of",
+        ),
+        (
+            lambda p: p["train"].update(ensemble=2, ensemble_members=[{}, {"augment.orientation": "sideways"}]),
+            "train.ensemble_members[1]: augment.orientation: expected one of ['auto', 'free', 'fixed']",
         ),
         (
             lambda p: p["train"].update(ensemble=2, ensemble_members=[{}, {"train.lr": "fast"}]),
@@ -96,3 +101,14 @@ def test_yaml_false_stays_a_string_for_pretrained(tmp_path):
     f = tmp_path / "p.yaml"
     f.write_text(yaml.safe_dump(raw))
     assert load_params(f).model.pretrained == "false"
+
+
+def test_a_member_may_see_the_images_in_every_orientation():
+    """A mixed ensemble: member 0 keeps the flips and turns whatever the images say, the others follow
+    augment.orientation (auto)."""
+    raw = copy.deepcopy(load_default_params())
+    raw["augment"]["orientation"] = "auto"
+    raw["train"].update(ensemble=3, ensemble_members=[{"augment.orientation": "free"}, {}, {}])
+    p = params_from_dict(raw)
+    assert [member_params(p, k).augment.orientation for k in range(3)] == ["free", "auto", "auto"]
+    assert [member_params(p, k).train.seed for k in range(3)] == [0, 1, 2]

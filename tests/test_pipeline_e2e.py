@@ -50,6 +50,9 @@ def test_every_stage_wrote_its_outputs(repro: Path):
         "mlflow.db",
     ]:
         assert (repro / path).exists(), f"{path} missing after dvc repro"
+    pose = json.loads((repro / "reports/augment/orientation.json").read_text())
+    assert pose["orientation"] == "free" and pose["images"] > 0 and pose["flips_and_turns"] == "kept"
+    assert pose["pose"] == "free"  # measured and reported: synthetic defects come in every orientation
     summary = json.loads((repro / "reports/validate/summary.json").read_text())
     assert summary["accepted"] == 60 and summary["quarantined"] == 0
     card = json.loads((repro / "models/export/model.card.json").read_text())
