@@ -101,7 +101,7 @@ def resolve_policy(
     keep = orientation == "free" or (orientation == "auto" and report["pose"] == "free")
     resolved = policy if keep else without_orientation(policy)
     report["flips_and_turns"] = "kept" if keep else "dropped"
-    report["dropped"] = sorted(_names(policy) - _names(resolved)) if not keep else []
+    report["dropped"] = [] if keep else sorted(_names(policy) & ORIENTATION_TRANSFORMS)
     return resolved, report
 
 
