@@ -13,7 +13,8 @@ each a set of params changed from that base; the first lever is the reference th
 
 Each run writes params.yaml and runs ``dvc repro <until>`` (evaluate by default), so every stage a lever
 touches reruns and the rest comes from DVC's cache; its figures are copied to ``sweeps/<name>/<lever>/seed<k>``
-and ``result.json`` there marks it done, so a killed sweep resumes where it stopped. params.yaml is put back
+and ``result.json`` there marks it done, so a killed sweep resumes where it stopped (a finished run whose
+params differ from today's, e.g. by a key params.yaml gained since, runs again, the keys named). params.yaml is put back
 at the end. The summary (``summary.md``, ``summary.csv``, ``levers.png``) goes to a sweep run in MLflow, with
 each lever's training runs nested under it. Seed noise on small real datasets is often larger than a lever's
 effect (README), hence seeds and pairing rather than one run per lever.
@@ -137,6 +138,28 @@ def stage_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     return env
+
+
+def _dotted(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(_dotted(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def params_changed(run_dir: Path, params: dict) -> str:
+    """How the params a finished run used differ from the ones it would run with now ("" when they do not):
+    e.g. a key params.yaml gained since, which makes the run start again (its default may not be what the
+    code did before). Named, so the hours a rerun costs are never spent silently."""
+    before, now = _dotted(yaml.safe_load((run_dir / "params.yaml").read_text())), _dotted(params)
+    missing = "(absent)"
+    return ", ".join(
+        f"{key}: {json.dumps(before.get(key, missing))} -> {json.dumps(now.get(key, missing))}"
+        for key in sorted(before.keys() | now.keys()) if before.get(key, missing) != now.get(key, missing)
+    )  # fmt: skip
 
 
 def run_one(params: dict, run_dir: Path, until: str, lever: str, seed: int) -> dict:
@@ -301,10 +324,14 @@ def run_sweep(levers_file: Path, until: str = "evaluate") -> int:
         for i, (lever, seed, p) in enumerate(runs, 1):
             run_dir = out / slug(lever) / f"seed{seed}"
             done = run_dir / "result.json"
-            if done.is_file() and yaml.safe_load((run_dir / "params.yaml").read_text()) == p:
+            changed = params_changed(run_dir, p) if done.is_file() else None
+            if done.is_file() and not changed:
                 rows.append(json.loads(done.read_text()))
                 print(f"[{i}/{len(runs)}] {lever}, seed {seed}: done before, kept", flush=True)
                 continue
+            if changed:
+                print(f"[{i}/{len(runs)}] {lever}, seed {seed}: done before with other params ({changed}), "
+                      "so it runs again", flush=True)  # fmt: skip
             print(f"[{i}/{len(runs)}] {lever}, seed {seed}: dvc repro {until} (log: {run_dir / 'dvc.log'})", flush=True)
             row = run_one(p, run_dir, until, lever, seed)
             rows.append(row)

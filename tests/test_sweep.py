@@ -12,7 +12,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from pipeline.config import ConfigError
-from pipeline.sweep import load_sweep, plan
+from pipeline.sweep import load_sweep, params_changed, plan
 from tests.conftest import ROOT, copy_project, load_default_params, tiny_params, venv_env
 
 
@@ -97,6 +97,21 @@ def test_a_second_sweep_keeps_finished_runs(swept):
     proc = sweep(project, "sweeps/tiny.yaml")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.count("done before, kept") == 3 and "dvc repro evaluate (log" not in proc.stdout
+
+
+def test_a_finished_run_with_other_params_names_the_keys_that_make_it_run_again(tmp_path):
+    """A key params.yaml gained after a run finished (a new knob) reruns it: the sweep says which key, so an
+    hour of retraining is never a surprise."""
+    now = load_default_params()
+    before = yaml.safe_load(yaml.safe_dump(now))
+    del before["augment"]["orientation"]
+    before["train"]["epochs"] = 40
+    write(tmp_path / "params.yaml", before)
+    changed = params_changed(tmp_path, now)
+    assert 'augment.orientation: "(absent)" -> "free"' in changed
+    assert f"train.epochs: 40 -> {now['train']['epochs']}" in changed and changed.count(" -> ") == 2
+    write(tmp_path / "params.yaml", now)
+    assert params_changed(tmp_path, now) == ""
 
 
 def test_a_lever_naming_a_missing_param_stops_before_anything_runs(tmp_path):
