@@ -11,8 +11,9 @@ evaluate stage chooses it (each near-duplicate group weighing one). Per mix the 
 ensembles, their mean and lowest defect recall at the val 3% threshold, how many keep the test false
 alarms within the budget counted by images (the goal's figure) and by parts, test AUC, the oracle (the
 recall at the threshold flagging 3% of the test OK images: the ranking alone) and class accuracy.
-Then the ensembles ``train.ensemble_members`` would train in that order for ``train.seed`` s (member k
-with seed s + k), one row per s the sweep has every run for.
+``--val-count images`` weighs every val OK image one in the cut instead (the goal counts test false
+alarms by images). Then the ensembles ``train.ensemble_members`` would train in that order for
+``train.seed`` s (member k with seed s + k), one row per s the sweep has every run for.
 
 Run it in the project the sweep ran in, after the sweep: ``data/prepared`` is then the sweep's data.
 The table is written to ``<first sweep folder>/ensemble_mix.md`` (or ``--out``) and logged, with each
@@ -87,13 +88,15 @@ def score_runs(runs: dict, needed: list, prepared: Path) -> dict:
 class Judge:
     """An ensemble's figures, computed as the evaluate stage computes them."""
 
-    def __init__(self, prepared: Path, max_far: float):
+    def __init__(self, prepared: Path, max_far: float, val_count: str = "parts"):
         info = read_summary(prepared)
         self.ok = info["classes"].index(info["ok_class"])
         _, self.y_val, _ = load_split(prepared, "val")
         _, self.y_test, _ = load_split(prepared, "test")
         self.val_ok, self.test_ok = self.y_val == self.ok, self.y_test == self.ok
         self.w_val = group_weights(load_groups(prepared, "val"), ~self.val_ok)
+        if val_count == "images":  # every val OK image weighs one in the cut, as the goal counts the test split
+            self.w_val = np.where(self.val_ok, 1.0, self.w_val)
         self.w_test = group_weights(load_groups(prepared, "test"), ~self.test_ok)
         self.max_far = max_far
 
@@ -157,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mix", action="append", required=True, help="LEVER:COUNT[,LEVER:COUNT...]")
     ap.add_argument("--prepared", type=Path, default=Path("data/prepared"))
     ap.add_argument("--max-false-alarm-rate", type=float, default=0.03)
+    ap.add_argument("--val-count", choices=["parts", "images"], default="parts",
+                    help="the val OK images in the cut: each near-duplicate group weighs one (parts, the evaluate "
+                         "stage's rule) or each image does (images, as the goal counts test false alarms)")  # fmt: skip
     ap.add_argument("--out", type=Path, help="the table (markdown); default: <first sweep>/ensemble_mix.md")
     args = ap.parse_args(argv)
 
@@ -178,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"{runs[key]['dir']}: trained on other data than {args.prepared} (ok class or size "
                              f"differs); run the sweep's last run again (dvc repro) first")  # fmt: skip
     probs = score_runs(runs, needed, args.prepared)
-    judge = Judge(args.prepared, args.max_false_alarm_rate)
+    judge = Judge(args.prepared, args.max_false_alarm_rate, args.val_count)
 
     far = f"{args.max_false_alarm_rate:.0%}"
     lines = [

@@ -160,6 +160,14 @@ def test_ensemble_mix_scores_the_swept_models_as_the_evaluate_stage_does(swept):
     logged = next(r for r in runs if r.info.run_name == "ensemble mix")
     assert logged.data.metrics["two-epochs-1.auc_mean"] == pytest.approx(two["auc"])
     assert [a.path for a in client.list_artifacts(logged.info.run_id, "ensemble_mix")] == ["ensemble_mix/mix.md"]
+    # counting val OK images instead of parts: every synthetic image is its own part, so the same cut
+    by_images = subprocess.run(
+        [sys.executable, "experiments/ensemble_mix.py", "sweeps/tiny", "--mix", "two epochs:1", "--val-count",
+         "images", "--out", "images.md"],
+        cwd=project, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert by_images.returncode == 0, by_images.stderr[-2000:]
+    assert rows["two epochs:1"] in (project / "images.md").read_text()
     bad = subprocess.run(
         [sys.executable, "experiments/ensemble_mix.py", "sweeps/tiny", "--mix", "gamma only:1"],
         cwd=project, env=env, capture_output=True, text=True, timeout=120,
