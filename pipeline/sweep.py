@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from pipeline.config import ConfigError, apply_changes, params_from_dict
+from pipeline.config import ConfigError, apply_changes, as_flat_dict, params_from_dict
 
 SWEEPS_DIR = Path("sweeps")
 # The figures of one run: the goal's (recall at the val-chosen false-alarm threshold) first.
@@ -140,21 +140,11 @@ def stage_env() -> dict[str, str]:
     return env
 
 
-def _dotted(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            out.update(_dotted(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def params_changed(run_dir: Path, params: dict) -> str:
     """How the params a finished run used differ from the ones it would run with now ("" when they do not):
     e.g. a key params.yaml gained since, which makes the run start again (its default may not be what the
     code did before). Named, so the hours a rerun costs are never spent silently."""
-    before, now = _dotted(yaml.safe_load((run_dir / "params.yaml").read_text())), _dotted(params)
+    before, now = as_flat_dict(yaml.safe_load((run_dir / "params.yaml").read_text())), as_flat_dict(params)
     missing = "(absent)"
     return ", ".join(
         f"{key}: {json.dumps(before.get(key, missing))} -> {json.dumps(now.get(key, missing))}"
@@ -324,12 +314,12 @@ def run_sweep(levers_file: Path, until: str = "evaluate") -> int:
         for i, (lever, seed, p) in enumerate(runs, 1):
             run_dir = out / slug(lever) / f"seed{seed}"
             done = run_dir / "result.json"
-            changed = params_changed(run_dir, p) if done.is_file() else None
-            if done.is_file() and not changed:
-                rows.append(json.loads(done.read_text()))
-                print(f"[{i}/{len(runs)}] {lever}, seed {seed}: done before, kept", flush=True)
-                continue
-            if changed:
+            if done.is_file():
+                changed = params_changed(run_dir, p)
+                if not changed:
+                    rows.append(json.loads(done.read_text()))
+                    print(f"[{i}/{len(runs)}] {lever}, seed {seed}: done before, kept", flush=True)
+                    continue
                 print(f"[{i}/{len(runs)}] {lever}, seed {seed}: done before with other params ({changed}), "
                       "so it runs again", flush=True)  # fmt: skip
             print(f"[{i}/{len(runs)}] {lever}, seed {seed}: dvc repro {until} (log: {run_dir / 'dvc.log'})", flush=True)

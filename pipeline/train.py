@@ -437,10 +437,10 @@ def _train(
     sampler = EpochBatches(
         y_tr, cfg.batch_size, cfg.seed, d.rank, d.world_size, cfg.class_weighting == "sampling", cfg.majority_per_epoch
     )
-    # the same decision as the augment stage's (reports/augment/orientation.json), also for a member's own policy
-    policy, pose = resolve_policy(
-        params.augment.policy, params.augment.orientation, load_split(prepared_dir, "train")[0]
-    )
+    # the same decision as the augment stage's (reports/augment/orientation.json), also for a member's own
+    # policy: measured on the prepared training images, which come before the balancing copies in x_tr
+    prepared_train = x_tr[: sum(info["splits"]["train"].values())]
+    policy, pose = resolve_policy(params.augment.policy, params.augment.orientation, prepared_train)
     loader = DataLoader(
         ImageDataset(x_tr, y_tr, build_policy(policy), masks=m_tr),
         batch_sampler=sampler,
