@@ -16,6 +16,12 @@ alarms by images). Then the ensembles ``train.ensemble_members`` would train in 
 ``train.seed`` s (member k with seed s + k), one row per s the sweep has every run for.
 
 Run it in the project the sweep ran in, after the sweep: ``data/prepared`` is then the sweep's data.
+Members trained at another ``prepare.image_size`` (a lever of input geometry) are scored on the same images
+prepared at their size: ``--prepared-at 128=../other/data/prepared`` (a project whose prepare stage ran at
+128 px on the same data and split; checked image by image), so ensembles can mix input sizes.
+``--redraw N`` also scores each ensemble on N re-drawn partitions of the held-out parts (val and test pooled,
+each near-duplicate group drawn to the cut side with the val split's share of the images): the mean recall at
+the cut, the share of draws within the budget and the oracle, i.e. how much of a figure is this split's luck.
 The table is written to ``<first sweep folder>/ensemble_mix.md`` (or ``--out``) and logged, with each
 mix's figures as metrics, to an MLflow run ``ensemble mix`` in the sweep's experiment.
 """
@@ -61,20 +67,25 @@ def finished_runs(folders: list[Path]) -> dict[tuple[str, int], dict]:
     return runs
 
 
-def score_runs(runs: dict, needed: list, prepared: Path) -> dict:
-    """(lever, seed) -> (val probabilities, test probabilities) of the run's model, from MLflow."""
+def score_runs(runs: dict, needed: list, prepared: Path | dict[int, Path]) -> dict:
+    """(lever, seed) -> (val probabilities, test probabilities) of the run's model, from MLflow. ``prepared``:
+    the splits, or {image size: splits} where members differ in ``prepare.image_size``."""
     import mlflow
 
     from pipeline.loop import predict_logits
     from pipeline.runtime import resolve_runtime
     from pipeline.train import load_model
 
-    x_val, _, _ = load_split(prepared, "val")
-    x_test, _, _ = load_split(prepared, "test")
+    at = prepared if isinstance(prepared, dict) else None
+    splits: dict[Path, tuple[np.ndarray, np.ndarray]] = {}
     probs = {}
     for key in needed:
         run = runs[key]
         used = run["params"]
+        where = at[used["prepare"]["image_size"]] if at else prepared
+        if where not in splits:
+            splits[where] = (load_split(where, "val")[0], load_split(where, "test")[0])
+        x_val, x_test = splits[where]
         mlflow.set_tracking_uri(os.environ.get("MLFLOW_TRACKING_URI", used["mlflow"]["tracking_uri"]))
         path = mlflow.artifacts.download_artifacts(run_id=run["mlflow_run_id"], artifact_path="model/model.pt")
         model, _ = load_model(Path(path))
@@ -83,6 +94,28 @@ def score_runs(runs: dict, needed: list, prepared: Path) -> dict:
         probs[key] = tuple(softmax(predict_logits(model, x, rt)) for x in (x_val, x_test))
         print(f"scored {key[0]}, seed {key[1]}", file=sys.stderr, flush=True)
     return probs
+
+
+def sizes_prepared(prepared: Path, extra: list[str]) -> dict[int, Path]:
+    """``SIZE=DIR`` options -> {size: DIR}, each DIR holding the very images of ``prepared``'s val and test
+    splits (same files, same order, same labels) at that size."""
+    out = {}
+    for text in extra:
+        size, sep, folder = text.partition("=")
+        if not sep or not size.strip().isdigit():
+            raise SystemExit(f"--prepared-at {text!r}: expected SIZE=DIR, e.g. 128=../other/data/prepared")
+        where, size = Path(folder), int(size)
+        found = read_summary(where)["image_size"]
+        if found != size:
+            raise SystemExit(f"--prepared-at {text!r}: {where} holds {found} px images, not {size}")
+        for split in ("val", "test"):
+            _, y, paths = load_split(where, split)
+            _, y_ref, paths_ref = load_split(prepared, split)
+            if paths != paths_ref or not np.array_equal(y, y_ref):
+                raise SystemExit(f"--prepared-at {text!r}: its {split} split holds other images or labels than "
+                                 f"{prepared}'s; prepare the same data with the same split params")  # fmt: skip
+        out[size] = where
+    return out
 
 
 class Judge:
@@ -97,8 +130,39 @@ class Judge:
         self.w_val = group_weights(load_groups(prepared, "val"), ~self.val_ok)
         if val_count == "images":  # every val OK image weighs one in the cut, as the goal counts the test split
             self.w_val = np.where(self.val_ok, 1.0, self.w_val)
-        self.w_test = group_weights(load_groups(prepared, "test"), ~self.test_ok)
+        self.g_val, self.g_test = load_groups(prepared, "val"), load_groups(prepared, "test")
+        self.w_test = group_weights(self.g_test, ~self.test_ok)
         self.max_far = max_far
+        self.val_count = val_count
+
+    def draws(self, n: int, seed: int = 0) -> list[np.ndarray]:
+        """N re-drawn partitions of val + test (pooled, val first): True where an image sets the cut. Whole
+        near-duplicate groups move together, each to the cut side with the val split's share of the images."""
+        groups = np.concatenate([self.g_val, self.g_test])
+        unique = np.unique(groups)
+        share = len(self.y_val) / len(groups)
+        rng = np.random.default_rng(seed)
+        return [np.isin(groups, unique[rng.random(len(unique)) < share]) for _ in range(n)]
+
+    def redrawn(self, members: list[tuple[np.ndarray, np.ndarray]], draws: list[np.ndarray]) -> dict:
+        """Mean over ``draws`` of the recall at the cut chosen on the cut side (as the evaluate stage chooses
+        it on val) and judged on the other side (by images), the share of draws within the false-alarm budget,
+        and the oracle there."""
+        probs = np.concatenate([np.mean([m[0] for m in members], axis=0), np.mean([m[1] for m in members], axis=0)])
+        score = 1 - probs[:, self.ok]
+        ok = np.concatenate([self.val_ok, self.test_ok])
+        groups = np.concatenate([self.g_val, self.g_test])
+        recall, within, oracle = [], [], []
+        for cut_side in draws:
+            w = group_weights(groups[cut_side], ~ok[cut_side])
+            if self.val_count == "images":
+                w = np.where(ok[cut_side], 1.0, w)
+            cut = threshold_for_false_alarms(score[cut_side & ok], self.max_far, w[ok[cut_side]])
+            defects, oks = score[~cut_side & ~ok], np.sort(score[~cut_side & ok])[::-1]
+            recall.append((defects >= cut).mean())
+            within.append((oks >= cut).mean() <= self.max_far + 1e-9)
+            oracle.append((defects > oks[int(self.max_far * len(oks))]).mean())
+        return {"recall": float(np.mean(recall)), "within": float(np.mean(within)), "oracle": float(np.mean(oracle))}
 
     def __call__(self, members: list[tuple[np.ndarray, np.ndarray]]) -> dict:
         val = np.mean([m[0] for m in members], axis=0)
@@ -159,10 +223,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("sweeps", nargs="+", type=Path, help="sweep result folders (sweeps/<name>)")
     ap.add_argument("--mix", action="append", required=True, help="LEVER:COUNT[,LEVER:COUNT...]")
     ap.add_argument("--prepared", type=Path, default=Path("data/prepared"))
+    ap.add_argument(
+        "--prepared-at",
+        action="append",
+        default=[],
+        metavar="SIZE=DIR",
+        help="the same splits prepared at another prepare.image_size, for members trained at that size",
+    )
     ap.add_argument("--max-false-alarm-rate", type=float, default=0.03)
     ap.add_argument("--val-count", choices=["parts", "images"], default="parts",
                     help="the val OK images in the cut: each near-duplicate group weighs one (parts, the evaluate "
                          "stage's rule) or each image does (images, as the goal counts test false alarms)")  # fmt: skip
+    ap.add_argument(
+        "--redraw",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also score each ensemble on N re-drawn val/test partitions of the held-out parts",
+    )
     ap.add_argument("--out", type=Path, help="the table (markdown); default: <first sweep>/ensemble_mix.md")
     args = ap.parse_args(argv)
 
@@ -178,20 +256,25 @@ def main(argv: list[str] | None = None) -> int:
                                  f"{n} needed (levers found: {', '.join(sorted(seeds))})")  # fmt: skip
     needed = sorted({(lever, s) for _, mix in mixes for lever, _ in mix for s in seeds[lever]})
     info = read_summary(args.prepared)
+    at = {info["image_size"]: args.prepared, **sizes_prepared(args.prepared, args.prepared_at)}
     for key in needed:
         used = runs[key]["params"]
-        if used["data"]["ok_class"] != info["ok_class"] or used["prepare"]["image_size"] != info["image_size"]:
-            raise SystemExit(f"{runs[key]['dir']}: trained on other data than {args.prepared} (ok class or size "
-                             f"differs); run the sweep's last run again (dvc repro) first")  # fmt: skip
-    probs = score_runs(runs, needed, args.prepared)
+        size = used["prepare"]["image_size"]
+        if used["data"]["ok_class"] != info["ok_class"] or size not in at:
+            raise SystemExit(f"{runs[key]['dir']}: trained on other data than {args.prepared} (ok class "
+                             f"{used['data']['ok_class']!r}, {size} px); run the sweep's last run again (dvc repro) "
+                             f"first, or give the same splits at that size: --prepared-at {size}=DIR")  # fmt: skip
+    probs = score_runs(runs, needed, at)
     judge = Judge(args.prepared, args.max_false_alarm_rate, args.val_count)
 
     far = f"{args.max_false_alarm_rate:.0%}"
     lines = [
         f"| mix | ensembles | recall at the val {far} threshold, mean (lowest) | within {far} test false alarms, "
-        f"by images / by parts | test AUC | oracle | accuracy |",
-        "|---|---|---|---|---|---|---|",
+        f"by images / by parts | test AUC | oracle | accuracy |"
+        + (f" re-drawn splits ({args.redraw}): recall, within {far}, oracle |" if args.redraw else ""),
+        "|---|---|---|---|---|---|---|" + ("---|" if args.redraw else ""),
     ]
+    draws = judge.draws(args.redraw)
     layouts, summary = [], {}
     for text, mix in mixes:
         rows = [judge([probs[m] for m in members]) for members in combinations(mix, seeds)]
@@ -201,8 +284,14 @@ def main(argv: list[str] | None = None) -> int:
         lowest = min(r["recall"] for r in rows)
         summary[text] = {"recall_mean": mean["recall"], "recall_lowest": lowest, "auc_mean": mean["auc"],
                          "within_budget_share": within / len(rows), "ensembles": len(rows)}  # fmt: skip
-        lines.append(f"| {text} | {len(rows)} | {mean['recall']:.2f} ({lowest:.2f}) | {within} / {within_parts} of "
-                     f"{len(rows)} | {mean['auc']:.3f} | {mean['oracle']:.2f} | {mean['accuracy']:.2f} |")  # fmt: skip
+        line = (f"| {text} | {len(rows)} | {mean['recall']:.2f} ({lowest:.2f}) | {within} / {within_parts} of "
+                f"{len(rows)} | {mean['auc']:.3f} | {mean['oracle']:.2f} | {mean['accuracy']:.2f} |")  # fmt: skip
+        if draws:
+            again = [judge.redrawn([probs[m] for m in members], draws) for members in combinations(mix, seeds)]
+            again_mean = {k: float(np.mean([r[k] for r in again])) for k in again[0]}
+            summary[text].update({f"redrawn_{k}": v for k, v in again_mean.items()})
+            line += f" {again_mean['recall']:.2f}, {again_mean['within']:.0%}, {again_mean['oracle']:.2f} |"
+        lines.append(line)
         for s, members in layout(mix, seeds):
             r = judge([probs[m] for m in members])
             layouts.append(f"| {text} | {s} | {', '.join(f'{lever} {seed}' for lever, seed in members)} | "

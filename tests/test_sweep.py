@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from mlflow.tracking import MlflowClient
@@ -173,3 +175,87 @@ def test_ensemble_mix_scores_the_swept_models_as_the_evaluate_stage_does(swept):
         cwd=project, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert bad.returncode != 0 and "'gamma only' has 0 finished runs" in bad.stderr
+
+
+def test_ensemble_mix_scores_a_member_of_another_input_size_on_the_same_images_at_its_size(swept, tmp_path):
+    """--prepared-at SIZE=DIR: a member trained at another prepare.image_size is scored on the same split
+    prepared at that size (so ensembles may mix input sizes); a missing size or other images stop with the
+    option to give."""
+    from pipeline.config import params_from_dict
+    from pipeline.prepare import prepare
+    from pipeline.validate import read_manifest
+
+    project, _ = swept
+    env = venv_env()
+    env["PYTHONPATH"] = str(project)
+    params = params_from_dict(tiny_params(**{"prepare.image_size": 48}))
+    manifest = read_manifest(project / "data/validated/manifest.csv")
+    at48 = tmp_path / "prepared48"
+    prepare(manifest, project / "data/raw/images", sorted({r["label"] for r in manifest}), params.data.ok_class,
+            params.data.channels, params.prepare, at48)  # fmt: skip
+    # the same sweep, its 'two epochs' model now said to be trained at 48 px (the network takes any size)
+    folder = tmp_path / "sweeps/tiny"
+    shutil.copytree(project / "sweeps/tiny", folder)
+    used = folder / "two-epochs/seed3/params.yaml"
+    changed = yaml.safe_load(used.read_text())
+    changed["prepare"]["image_size"] = 48
+    write(used, changed)
+
+    def mix(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "experiments/ensemble_mix.py", str(folder), "--mix", "two epochs:1", *extra],
+            cwd=project, env=env, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+
+    missing = mix("--out", str(tmp_path / "x.md"))
+    assert missing.returncode != 0 and "--prepared-at 48=DIR" in missing.stderr
+    mixed = mix("--prepared-at", f"48={at48}", "--out", str(tmp_path / "mixed.md"))
+    assert mixed.returncode == 0, mixed.stderr[-2000:]
+    # scored at 48 px: the same row as when the 48 px split is the only data (the labels and cut are shared)
+    alone = mix("--prepared", str(at48), "--out", str(tmp_path / "alone.md"))
+    assert alone.returncode == 0, alone.stderr[-2000:]
+    rows = (tmp_path / "alone.md").read_text().splitlines()
+    row = next(line for line in rows if line.startswith("| two epochs:1 | 1 |"))
+    assert row in (tmp_path / "mixed.md").read_text()
+    other = tmp_path / "other"
+    shutil.copytree(at48, other)
+    with np.load(other / "val.npz") as z:
+        arrays = dict(z)
+    arrays["labels"] = arrays["labels"][::-1].copy()
+    np.savez(other / "val.npz", **arrays)
+    wrong = mix("--prepared-at", f"48={other}", "--out", str(tmp_path / "y.md"))
+    assert wrong.returncode != 0 and "its val split holds other images or labels" in wrong.stderr
+
+
+def test_ensemble_mix_redraw_on_the_real_partition_gives_the_splits_own_figures(swept, monkeypatch):
+    """--redraw N re-draws which held-out parts set the cut; drawn as val and test really are, it must give
+    the val-cut recall, the budget check and the oracle of the real split, and the table gains the column."""
+    import importlib.util
+
+    project, _ = swept
+    spec = importlib.util.spec_from_file_location("ensemble_mix", ROOT / "experiments/ensemble_mix.py")
+    mix = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mix)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{project / 'mlflow.db'}")
+    runs = mix.finished_runs([project / "sweeps/tiny"])
+    members = [("default", 3), ("two epochs", 3)]
+    probs = mix.score_runs(runs, members, project / "data/prepared")
+    judge = mix.Judge(project / "data/prepared", 0.03)
+    real = judge([probs[m] for m in members])
+    as_split = np.r_[np.ones(len(judge.y_val), bool), np.zeros(len(judge.y_test), bool)]
+    again = judge.redrawn([probs[m] for m in members], [as_split])
+    assert again["recall"] == pytest.approx(real["recall"]) and again["oracle"] == pytest.approx(real["oracle"])
+    assert again["within"] == float(real["far"] <= 0.03 + 1e-9)
+    draws = judge.draws(20)
+    assert len(draws) == 20 and all(d.shape == as_split.shape for d in draws)
+    assert 0.4 < np.mean([d.mean() for d in draws]) < 0.8  # about the val split's share on the cut side
+    env = venv_env()
+    env["PYTHONPATH"] = str(project)
+    proc = subprocess.run(
+        [sys.executable, "experiments/ensemble_mix.py", "sweeps/tiny", "--mix", "two epochs:1", "--redraw", "20",
+         "--out", "redraw.md"],
+        cwd=project, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    header, _, row = (project / "redraw.md").read_text().splitlines()[:3]
+    assert header.endswith("re-drawn splits (20): recall, within 3%, oracle |") and row.count("|") == header.count("|") == 9
