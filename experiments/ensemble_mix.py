@@ -38,7 +38,15 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from pipeline.metrics import binary_metrics, group_weights, roc_auc, softmax, threshold_for_false_alarms
+from pipeline.metrics import (
+    binary_metrics,
+    cut_on_partitions,
+    group_weights,
+    redrawn_partitions,
+    roc_auc,
+    softmax,
+    threshold_for_false_alarms,
+)
 from pipeline.prepare import load_groups, load_split, read_summary
 
 
@@ -136,33 +144,18 @@ class Judge:
         self.val_count = val_count
 
     def draws(self, n: int, seed: int = 0) -> list[np.ndarray]:
-        """N re-drawn partitions of val + test (pooled, val first): True where an image sets the cut. Whole
-        near-duplicate groups move together, each to the cut side with the val split's share of the images."""
+        """N re-drawn partitions of val + test (pooled, val first): True where an image sets the cut."""
         groups = np.concatenate([self.g_val, self.g_test])
-        unique = np.unique(groups)
-        share = len(self.y_val) / len(groups)
-        rng = np.random.default_rng(seed)
-        return [np.isin(groups, unique[rng.random(len(unique)) < share]) for _ in range(n)]
+        return redrawn_partitions(groups, len(self.y_val) / len(groups), n, seed)
 
     def redrawn(self, members: list[tuple[np.ndarray, np.ndarray]], draws: list[np.ndarray]) -> dict:
-        """Mean over ``draws`` of the recall at the cut chosen on the cut side (as the evaluate stage chooses
-        it on val) and judged on the other side (by images), the share of draws within the false-alarm budget,
-        and the oracle there."""
+        """The ensemble's recall at the cut, share within the budget and oracle over ``draws`` (the val OK
+        images counted as the cut counts them: ``--val-count``)."""
         probs = np.concatenate([np.mean([m[0] for m in members], axis=0), np.mean([m[1] for m in members], axis=0)])
-        score = 1 - probs[:, self.ok]
-        ok = np.concatenate([self.val_ok, self.test_ok])
+        is_defect = ~np.concatenate([self.val_ok, self.test_ok])
         groups = np.concatenate([self.g_val, self.g_test])
-        recall, within, oracle = [], [], []
-        for cut_side in draws:
-            w = group_weights(groups[cut_side], ~ok[cut_side])
-            if self.val_count == "images":
-                w = np.where(ok[cut_side], 1.0, w)
-            cut = threshold_for_false_alarms(score[cut_side & ok], self.max_far, w[ok[cut_side]])
-            defects, oks = score[~cut_side & ~ok], np.sort(score[~cut_side & ok])[::-1]
-            recall.append((defects >= cut).mean())
-            within.append((oks >= cut).mean() <= self.max_far + 1e-9)
-            oracle.append((defects > oks[int(self.max_far * len(oks))]).mean())
-        return {"recall": float(np.mean(recall)), "within": float(np.mean(within)), "oracle": float(np.mean(oracle))}
+        by_parts = self.val_count == "parts"
+        return cut_on_partitions(1 - probs[:, self.ok], is_defect, groups, draws, self.max_far, by_parts)
 
     def __call__(self, members: list[tuple[np.ndarray, np.ndarray]]) -> dict:
         val = np.mean([m[0] for m in members], axis=0)

@@ -84,3 +84,47 @@ def binary_metrics(defect_scores: np.ndarray, is_defect: np.ndarray, threshold: 
         "false_alarm_rate": float(flagged[~is_defect].mean()) if n_ok else float("nan"),
         "binary_accuracy": float((flagged == is_defect).mean()),
     }
+
+
+def redrawn_partitions(groups: np.ndarray, cut_share: float, n: int, seed: int = 0) -> list[np.ndarray]:
+    """``n`` re-drawn splits of held-out images (e.g. val and test pooled): True where an image falls on
+    the side that sets the cut. Whole near-duplicate groups move together, each to the cut side with
+    probability ``cut_share`` (the val split's share of the held-out images)."""
+    groups = np.asarray(groups)
+    unique = np.unique(groups)
+    rng = np.random.default_rng(seed)
+    return [np.isin(groups, unique[rng.random(len(unique)) < cut_share]) for _ in range(n)]
+
+
+def cut_on_partitions(
+    scores: np.ndarray,
+    is_defect: np.ndarray,
+    groups: np.ndarray,
+    partitions: list[np.ndarray],
+    max_rate: float,
+    ok_by_parts: bool = True,
+) -> dict:
+    """How much of a figure at the val-chosen cut is the split's luck. For each partition: the cut flagging
+    at most ``max_rate`` of the cut side's OK parts (``ok_by_parts``; else images), as the evaluate stage
+    picks it on val, judged on the other side by images as the test split is. Means over the partitions of
+    the defect recall at that cut, of whether its false alarms stay within ``max_rate`` (``within``), and of
+    the recall at the other side's own ``max_rate`` point (``oracle``: the ranking alone). Partitions with
+    no OK image on the cut side or no defect or OK image on the other are skipped (``partitions`` counts
+    the rest)."""
+    scores, is_defect, groups = np.asarray(scores), np.asarray(is_defect, dtype=bool), np.asarray(groups)
+    recall, within, oracle = [], [], []
+    for cut_side in partitions:
+        judged = ~cut_side
+        if not (cut_side & ~is_defect).any() or not (judged & is_defect).any() or not (judged & ~is_defect).any():
+            continue
+        ok_cut = ~is_defect[cut_side]
+        w = group_weights(groups[cut_side], is_defect[cut_side])[ok_cut] if ok_by_parts else None
+        cut = threshold_for_false_alarms(scores[cut_side][ok_cut], max_rate, w)
+        defects, oks = scores[judged & is_defect], np.sort(scores[judged & ~is_defect])[::-1]
+        recall.append((defects >= cut).mean())
+        within.append((oks >= cut).mean() <= max_rate + 1e-9)
+        oracle.append((defects > oks[int(max_rate * len(oks))]).mean())
+    if not recall:
+        return {"partitions": 0}
+    return {"recall": float(np.mean(recall)), "within": float(np.mean(within)), "oracle": float(np.mean(oracle)),
+            "partitions": len(recall)}  # fmt: skip

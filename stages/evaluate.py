@@ -36,6 +36,7 @@ def main(params):
         out,
         params.evaluate.max_false_alarm_rate,
         val_groups,
+        load_groups(Path("data/prepared"), "test"),
     )
     ok = meta["classes"].index(meta["ok_class"])
     metrics |= review_sheet(

@@ -258,4 +258,5 @@ def test_ensemble_mix_redraw_on_the_real_partition_gives_the_splits_own_figures(
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     header, _, row = (project / "redraw.md").read_text().splitlines()[:3]
-    assert header.endswith("re-drawn splits (20): recall, within 3%, oracle |") and row.count("|") == header.count("|") == 9
+    assert header.endswith("re-drawn splits (20): recall, within 3%, oracle |")
+    assert row.count("|") == header.count("|") == 9
