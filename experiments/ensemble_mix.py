@@ -135,27 +135,27 @@ class Judge:
         _, self.y_val, _ = load_split(prepared, "val")
         _, self.y_test, _ = load_split(prepared, "test")
         self.val_ok, self.test_ok = self.y_val == self.ok, self.y_test == self.ok
-        self.w_val = group_weights(load_groups(prepared, "val"), ~self.val_ok)
+        self.g_val, self.g_test = load_groups(prepared, "val"), load_groups(prepared, "test")
+        self.w_val = group_weights(self.g_val, ~self.val_ok)
         if val_count == "images":  # every val OK image weighs one in the cut, as the goal counts the test split
             self.w_val = np.where(self.val_ok, 1.0, self.w_val)
-        self.g_val, self.g_test = load_groups(prepared, "val"), load_groups(prepared, "test")
         self.w_test = group_weights(self.g_test, ~self.test_ok)
+        # val and test pooled (val first), for the re-drawn partitions
+        self.groups = np.concatenate([self.g_val, self.g_test])
+        self.is_defect = ~np.concatenate([self.val_ok, self.test_ok])
         self.max_far = max_far
         self.val_count = val_count
 
     def draws(self, n: int, seed: int = 0) -> list[np.ndarray]:
         """N re-drawn partitions of val + test (pooled, val first): True where an image sets the cut."""
-        groups = np.concatenate([self.g_val, self.g_test])
-        return redrawn_partitions(groups, len(self.y_val) / len(groups), n, seed)
+        return redrawn_partitions(self.groups, len(self.y_val) / len(self.groups), n, seed)
 
     def redrawn(self, members: list[tuple[np.ndarray, np.ndarray]], draws: list[np.ndarray]) -> dict:
         """The ensemble's recall at the cut, share within the budget and oracle over ``draws`` (the val OK
         images counted as the cut counts them: ``--val-count``)."""
         probs = np.concatenate([np.mean([m[0] for m in members], axis=0), np.mean([m[1] for m in members], axis=0)])
-        is_defect = ~np.concatenate([self.val_ok, self.test_ok])
-        groups = np.concatenate([self.g_val, self.g_test])
         by_parts = self.val_count == "parts"
-        return cut_on_partitions(1 - probs[:, self.ok], is_defect, groups, draws, self.max_far, by_parts)
+        return cut_on_partitions(1 - probs[:, self.ok], self.is_defect, self.groups, draws, self.max_far, by_parts)
 
     def __call__(self, members: list[tuple[np.ndarray, np.ndarray]]) -> dict:
         val = np.mean([m[0] for m in members], axis=0)
