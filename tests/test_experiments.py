@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import torch
 import yaml
 
@@ -39,3 +40,67 @@ def test_simsiam_writes_backbone_weights_that_model_pretrained_loads(prepared_pr
         assert torch.equal(loaded[name], weight), name
     # The pretraining moved the weights away from a fresh start.
     assert not torch.equal(loaded["conv_stem.weight"], fresh.backbone.state_dict()["conv_stem.weight"])
+
+
+def test_group_folds_keeps_each_part_in_one_fold_and_spreads_every_class():
+    from experiments.crossfit import group_folds
+
+    labels = np.array([0] * 30 + [1] * 12)
+    groups = np.array([f"ok{i // 3}" for i in range(30)] + [f"d{i // 2}" for i in range(12)])  # 3 and 2 shots each
+    fold = group_folds(labels, groups, 3, seed=0)
+    for g in set(groups):
+        assert len(set(fold[groups == g])) == 1, g  # one part's shots never straddle folds
+    for c in (0, 1):
+        counts = np.bincount(fold[labels == c], minlength=3)
+        assert counts.max() - counts.min() <= 3, (c, counts)  # dealt evenly, to within one part
+    assert np.array_equal(fold, group_folds(labels, groups, 3, seed=0))  # the same folds again
+
+
+def test_crossfit_scores_every_train_and_val_image_with_a_model_that_never_saw_it(prepared_project, tmp_path):
+    import csv
+    import json
+
+    import mlflow
+
+    shutil.copytree(prepared_project, tmp_path, dirs_exist_ok=True)
+    p = tiny_params(**{"model.name": "test_efficientnet"})
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
+    env = venv_env()
+    env["PYTHONPATH"] = str(ROOT)
+
+    def crossfit():
+        proc = subprocess.run([sys.executable, str(ROOT / "experiments/crossfit.py"), "--folds", "2"],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        return proc
+
+    crossfit()
+    out = tmp_path / "models/crossfit"
+    with np.load(tmp_path / "data/prepared/train.npz") as tr, np.load(tmp_path / "data/prepared/val.npz") as va:
+        pooled = sorted(map(str, np.concatenate([tr["paths"], va["paths"]])))
+    with open(out / "review.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert sorted(r["path"] for r in rows) == pooled  # every train and val image scored, once
+    for k in (0, 1):
+        with np.load(out / f"fold-{k}/prepared/train.npz") as tr, np.load(out / f"fold-{k}/prepared/val.npz") as va:
+            seen, held = set(map(str, tr["paths"])), set(map(str, va["paths"]))
+        assert held == {r["path"] for r in rows if r["fold"] == str(k)}
+        assert not seen & held and seen | held == set(pooled)  # its model never trained on what it scored
+    ok_rows = [float(r["oof_defect_score"]) for r in rows if r["label"] == "ok"]
+    assert ok_rows == sorted(ok_rows, reverse=True) and rows[0]["label"] == "ok"  # the OK labels to check first
+    m = json.loads((out / "metrics.json").read_text())
+    assert 0 <= m["oof_auc"] <= 1 and len(m["test_auc_by_fold"]) == 2 and 0 <= m["test_oracle_recall"] <= 1
+    assert f"{m['oof_auc']:.3f}" in (out / "report.md").read_text() and (out / "review.png").stat().st_size > 0
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = mlflow.search_runs(
+        experiment_names=[p["mlflow"]["experiment"]], filter_string="tags.mlflow.runName = 'crossfit'"
+    )
+    assert len(run) == 1 and abs(run["metrics.oof_auc"][0] - m["oof_auc"]) < 1e-9
+
+    # Again, as after a kill: the folds' files are kept (their bytes are the trainings' fingerprint) and
+    # the finished models are taken as they are, so the figures come out the same.
+    stamp = (out / "fold-0/prepared/train.npz").stat().st_mtime_ns
+    again = crossfit()
+    assert (out / "fold-0/prepared/train.npz").stat().st_mtime_ns == stamp
+    assert again.stderr.count("resuming from") == 2, again.stderr[-2000:]  # both folds, no retraining
+    assert json.loads((out / "metrics.json").read_text()) == m

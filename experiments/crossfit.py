@@ -1,0 +1,252 @@
+"""How well does a recipe rank the whole dataset, not one split? Out-of-fold scores of every labeled image.
+
+    python experiments/crossfit.py --folds 4 [--params sweeps/<name>/<lever>/seed0/params.yaml]
+
+Run it in a project whose prepare stage has run (``data/prepared``). The train and val splits are pooled
+and dealt into ``--folds`` folds by near-duplicate group (one part's shots stay together; each class's
+parts dealt largest first to the fold holding the fewest of that class). Then one model per fold, trained
+by the train stage's own code with the params given (``train.ensemble`` 1, ``train.seed`` + fold) on every
+pooled image outside its fold, scores the images of its fold: every train and val image gets a score
+from a model that never saw it. On small data that is a figure of the recipe, not of one lucky or
+unlucky split:
+
+- ``oof_auc``: defect vs OK over all pooled images; ``oof_recall_at_far``: the recall at the cut that flags
+  ``--max-false-alarm-rate`` of the pooled OK parts (each near-duplicate group weighs one, as the evaluate
+  stage counts val parts), with the false alarms it flags by images;
+- the test split scored by each fold's model and by their mean (an ensemble of the folds' models, every
+  labeled image but the test split's seen by some of them): test AUC, the test recall at the
+  out-of-fold cut and the test split's own oracle. A test AUC far above ``oof_auc`` says the test split is
+  easier than the data as a whole;
+- the review sheet: the OK parts that score highest out of fold (one shot each) and the defects that score
+  lowest, from the whole dataset, with their paths in ``review.csv``: the labels to check first.
+
+Writes ``report.md``, ``metrics.json``, ``review.png`` and ``review.csv`` to ``--out`` (default
+``models/crossfit``), each fold's data, model and checkpoints under ``fold-k`` (a killed run resumes the
+fold it was in), and logs a run ``crossfit`` to the project's MLflow store (the folds' trainings are runs
+of their own). Cost: ``--folds`` trainings, each on (folds - 1) / folds of the train and val images.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.config import apply_changes, load_params, params_from_dict
+from pipeline.metrics import binary_metrics, group_weights, roc_auc, softmax, threshold_for_false_alarms
+from pipeline.prepare import read_summary
+
+
+def group_folds(labels: np.ndarray, groups: np.ndarray, folds: int, seed: int = 0) -> np.ndarray:
+    """Fold index of each image: every near-duplicate group in one fold; per class its groups dealt largest
+    first (ties in random order) to the fold that holds the fewest images of that class so far."""
+    rng = np.random.default_rng(seed)
+    fold = np.full(len(labels), -1)
+    for c in np.unique(labels):
+        names, sizes = np.unique(groups[labels == c], return_counts=True)
+        order = rng.permutation(len(names))
+        held = np.zeros(folds)
+        for i in sorted(order, key=lambda j: -sizes[j]):
+            part = (groups == names[i]) & (fold < 0)  # a part shot under two labels: placed with its first
+            f = int(np.argmin(held + rng.random(folds) * 1e-6))
+            fold[part] = f
+            held[f] += part.sum()
+    return fold
+
+
+def pool(prepared: Path) -> dict[str, np.ndarray]:
+    """The train and val splits' arrays (images, labels, paths, groups, masks) end to end."""
+    with np.load(prepared / "train.npz") as tr, np.load(prepared / "val.npz") as va:
+        return {k: np.concatenate([tr[k], va[k]]) for k in tr.files}
+
+
+def write_fold(prepared: Path, pooled: dict, held_out: np.ndarray, dest: Path) -> Path:
+    """A prepared folder for one fold: train = pooled minus the fold, val = the fold, test unchanged. Written
+    once: the same fold again keeps its files (their bytes are in the training's fingerprint, so a killed
+    run resumes instead of starting over)."""
+    marker = dest / "fold.json"
+    held_paths = json.dumps(sorted(str(p) for p in pooled["paths"][held_out]))
+    if marker.is_file() and marker.read_text() == held_paths:
+        return dest
+    dest.mkdir(parents=True, exist_ok=True)
+    info = read_summary(prepared)
+    for name, keep in (("train", ~held_out), ("val", held_out)):
+        np.savez(dest / f"{name}.npz", **{k: v[keep] for k, v in pooled.items()})
+        labels = pooled["labels"][keep]
+        info["splits"][name] = {c: int((labels == i).sum()) for i, c in enumerate(info["classes"])}
+    (dest / "test.npz").write_bytes((prepared / "test.npz").read_bytes())
+    (dest / "prepare.json").write_text(json.dumps(info, indent=2) + "\n")
+    marker.write_text(held_paths)
+    return dest
+
+
+def score(model_file: Path, images: list[np.ndarray], precision: str) -> list[np.ndarray]:
+    from pipeline.loop import predict_logits
+    from pipeline.runtime import resolve_runtime
+    from pipeline.train import load_model
+
+    rt = resolve_runtime("cpu", precision)
+    model, _ = load_model(model_file)
+    model = model.to(rt.device).eval()
+    return [softmax(predict_logits(model, x, rt)) for x in images]
+
+
+def review_sheet(pooled: dict, oof: np.ndarray, ok: np.ndarray, out: Path, per_row: int = 8) -> None:
+    """The highest-scoring OK parts (one shot each) and the lowest-scoring defects, out of fold."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seen: set = set()
+    top = []
+    for i in np.argsort(-oof, kind="stable"):
+        if ok[i] and pooled["groups"][i] not in seen:
+            seen.add(pooled["groups"][i])
+            top.append(i)
+    low = [i for i in np.argsort(oof, kind="stable") if not ok[i]]
+    rows = {"OK parts scored highest out of fold": top[:per_row], "defects scored lowest": low[:per_row]}
+    fig, axes = plt.subplots(2, per_row, figsize=(2 * per_row, 4.6), squeeze=False)
+    for r, (title, idx) in enumerate(rows.items()):
+        axes[r][0].set_title(title, loc="left", fontsize=9)
+        for c in range(per_row):
+            ax = axes[r][c]
+            ax.axis("off")
+            if c < len(idx):
+                i = idx[c]
+                ax.imshow(pooled["images"][i].squeeze(), cmap="gray")
+                ax.text(2, 10, f"{oof[i]:.2f}", color="red", fontsize=8)
+                ax.set_title(Path(str(pooled["paths"][i])).name, fontsize=6, y=-0.12)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--folds", type=int, default=4)
+    ap.add_argument("--params", type=Path, default=Path("params.yaml"), help="the recipe (a params.yaml)")
+    ap.add_argument("--prepared", type=Path, default=Path("data/prepared"))
+    ap.add_argument("--max-false-alarm-rate", type=float, default=0.03)
+    ap.add_argument("--out", type=Path, default=Path("models/crossfit"))
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s crossfit %(levelname)s %(name)s: %(message)s")
+    for noisy in ("alembic", "mlflow.store", "urllib3", "matplotlib", "PIL", "git"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    if args.folds < 2:
+        raise SystemExit(f"--folds {args.folds}: at least 2 folds are needed (each model holds one out)")
+
+    import yaml
+
+    from pipeline.train import train
+
+    raw = yaml.safe_load(args.params.read_text())
+    raw = apply_changes(raw, {"train.ensemble": 1, "train.ensemble_members": []}, str(args.params))
+    info = read_summary(args.prepared)
+    if raw["prepare"]["image_size"] != info["image_size"]:
+        raise SystemExit(f"{args.params}: prepare.image_size is {raw['prepare']['image_size']}, but "
+                         f"{args.prepared} holds {info['image_size']} px images; run `dvc repro prepare` "
+                         f"with these params first")  # fmt: skip
+    load_params(args.params)  # every key checked, with the message naming a wrong one
+    pooled = pool(args.prepared)
+    ok_index = info["classes"].index(info["ok_class"])
+    labels, groups = pooled["labels"], pooled["groups"]
+    fold = group_folds(labels, groups, args.folds, raw["data"]["seed"])
+    oof = np.full(len(labels), np.nan)
+    oof_probs = np.zeros((len(labels), len(info["classes"])), np.float32)
+    with np.load(args.prepared / "test.npz") as z:
+        x_test, y_test = z["images"], z["labels"]
+    test_probs = []
+    for k in range(args.folds):
+        held = fold == k
+        where = args.out / f"fold-{k}"
+        prepared = write_fold(args.prepared, pooled, held, where / "prepared")
+        params = params_from_dict(apply_changes(raw, {"train.seed": raw["train"]["seed"] + k}, f"fold {k}"))
+        logging.info("fold %d of %d: %d images held out, training on %d", k + 1, args.folds, held.sum(), (~held).sum())
+        train(params, prepared, where / "model", where / "reports")
+        p_val, p_test = score(where / "model/model.pt", [pooled["images"][held], x_test], params.train.precision)
+        oof_probs[held] = p_val
+        oof[held] = 1 - p_val[:, ok_index]
+        test_probs.append(p_test)
+
+    far = args.max_false_alarm_rate
+    ok, t_ok = labels == ok_index, y_test == ok_index
+    w = group_weights(groups, ~ok)
+    cut = threshold_for_false_alarms(oof[ok], far, w[ok])
+    pooled_at_cut = binary_metrics(oof, ~ok, cut)
+    test_scores = [1 - p[:, ok_index] for p in test_probs]
+    mean_probs = np.mean(test_probs, 0)
+    ens = 1 - mean_probs[:, ok_index]
+    at_cut = binary_metrics(ens, ~t_ok, cut)
+    oracle = binary_metrics(ens, ~t_ok, threshold_for_false_alarms(ens[t_ok], far))
+    n_train = sum(info["splits"]["train"].values())
+    metrics = {
+        "folds": args.folds,
+        "oof_auc": roc_auc(oof, ~ok),
+        "oof_auc_by_fold": [roc_auc(oof[fold == k], ~ok[fold == k]) for k in range(args.folds)],
+        "oof_auc_train_split": roc_auc(oof[:n_train], ~ok[:n_train]),
+        "oof_auc_val_split": roc_auc(oof[n_train:], ~ok[n_train:]),
+        "oof_accuracy": float((oof_probs.argmax(1) == labels).mean()),
+        "oof_cut": cut,
+        "oof_recall_at_far": pooled_at_cut["defect_recall"],
+        "oof_false_alarms_by_images": pooled_at_cut["false_alarm_rate"],
+        "test_auc_by_fold": [roc_auc(s, ~t_ok) for s in test_scores],
+        "test_auc": roc_auc(ens, ~t_ok),
+        "test_recall_at_oof_cut": at_cut["defect_recall"],
+        "test_false_alarms_at_oof_cut": at_cut["false_alarm_rate"],
+        "test_oracle_recall": oracle["defect_recall"],
+        "test_accuracy": float((mean_probs.argmax(1) == y_test).mean()),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    with open(args.out / "review.csv", "w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(["path", "label", "group", "fold", "oof_defect_score"])
+        for i in sorted(range(len(labels)), key=lambda i: (labels[i] != ok_index, -oof[i] if ok[i] else oof[i])):
+            out.writerow([pooled["paths"][i], info["classes"][labels[i]], groups[i], fold[i], f"{oof[i]:.4f}"])
+    review_sheet(pooled, oof, ok, args.out / "review.png")
+    pct = f"{far:.0%}"
+    table = "\n".join([
+        f"| figure ({args.folds} folds of {len(labels)} train and val images; {args.params}) | value |",
+        "|---|---|",
+        f"| out-of-fold AUC, all / train split / val split / by fold | {metrics['oof_auc']:.3f} / "
+        f"{metrics['oof_auc_train_split']:.3f} / {metrics['oof_auc_val_split']:.3f} / "
+        + ", ".join(f"{a:.3f}" for a in metrics["oof_auc_by_fold"]) + " |",
+        f"| out-of-fold recall at the cut flagging {pct} of OK parts (false alarms by images) | "
+        f"{metrics['oof_recall_at_far']:.2f} ({metrics['oof_false_alarms_by_images']:.2f}) |",
+        f"| out-of-fold 6-class accuracy | {metrics['oof_accuracy']:.2f} |",
+        "| test AUC, the folds' models / their mean | " + ", ".join(f"{a:.3f}" for a in metrics["test_auc_by_fold"])
+        + f" / {metrics['test_auc']:.3f} |",
+        f"| test recall at the out-of-fold cut (test false alarms) / oracle | {metrics['test_recall_at_oof_cut']:.2f} "
+        f"({metrics['test_false_alarms_at_oof_cut']:.2f}) / {metrics['test_oracle_recall']:.2f} |",
+        f"| test 6-class accuracy, the mean | {metrics['test_accuracy']:.2f} |",
+    ]) + "\n"  # fmt: skip
+    (args.out / "report.md").write_text(table)
+    print(table)
+    log_to_mlflow(raw["mlflow"], args, metrics)
+    return 0
+
+
+def log_to_mlflow(mlflow_params: dict, args: argparse.Namespace, metrics: dict) -> None:
+    from pipeline import tracking
+    from pipeline.config import MlflowConfig
+
+    try:
+        with tracking.open_run(MlflowConfig(**mlflow_params), run_name="crossfit") as run:
+            run.log_params({"folds": args.folds, "params": str(args.params)})
+            run.log_metrics({k: v for k, v in metrics.items() if isinstance(v, float | int)})
+            run.log_artifacts(args.out / "report.md", "crossfit")
+            run.log_artifacts(args.out / "review.png", "crossfit")
+            run.log_artifacts(args.out / "review.csv", "crossfit")
+            print(f"MLflow run {run.run_id} (crossfit)", file=sys.stderr)
+    except tracking.TrackingUnavailable as exc:
+        print(f"not logged to MLflow ({exc}); the report is in {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
