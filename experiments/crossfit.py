@@ -96,7 +96,9 @@ def score(model_file: Path, images: list[np.ndarray], precision: str) -> list[np
     return [softmax(predict_logits(model, x, rt)) for x in images]
 
 
-def review_sheet(pooled: dict, oof: np.ndarray, ok: np.ndarray, out: Path, per_row: int = 8) -> None:
+def review_sheet(
+    pooled: dict, oof: np.ndarray, ok: np.ndarray, classes: list[str], out: Path, per_row: int = 8
+) -> None:
     """The highest-scoring OK parts (one shot each) and the lowest-scoring defects, out of fold."""
     import matplotlib
 
@@ -121,7 +123,8 @@ def review_sheet(pooled: dict, oof: np.ndarray, ok: np.ndarray, out: Path, per_r
                 i = idx[c]
                 ax.imshow(pooled["images"][i].squeeze(), cmap="gray")
                 ax.text(2, 10, f"{oof[i]:.2f}", color="red", fontsize=8)
-                ax.set_title(Path(str(pooled["paths"][i])).name, fontsize=6, y=-0.12)
+                label = classes[pooled["labels"][i]]
+                ax.set_title(f"{label}: {Path(str(pooled['paths'][i])).name}", fontsize=6, y=-0.12)
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)
@@ -209,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         out.writerow(["path", "label", "group", "fold", "oof_defect_score"])
         for i in sorted(range(len(labels)), key=lambda i: (labels[i] != ok_index, -oof[i] if ok[i] else oof[i])):
             out.writerow([pooled["paths"][i], info["classes"][labels[i]], groups[i], fold[i], f"{oof[i]:.4f}"])
-    review_sheet(pooled, oof, ok, args.out / "review.png")
+    review_sheet(pooled, oof, ok, info["classes"], args.out / "review.png")
     pct = f"{far:.0%}"
     table = "\n".join([
         f"| figure ({args.folds} folds of {len(labels)} train and val images; {args.params}) | value |",
