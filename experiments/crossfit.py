@@ -20,10 +20,16 @@ unlucky split:
 - the review sheet: the OK parts that score highest out of fold (one shot each) and the defects that score
   lowest, from the whole dataset, with their paths in ``review.csv``: the labels to check first.
 
-Writes ``report.md``, ``metrics.json``, ``review.png`` and ``review.csv`` to ``--out`` (default
-``models/crossfit``), each fold's data, model and checkpoints under ``fold-k`` (a killed run resumes the
-fold it was in), and logs a run ``crossfit`` to the project's MLflow store (the folds' trainings are runs
-of their own). Cost: ``--folds`` trainings, each on (folds - 1) / folds of the train and val images.
+Writes ``report.md``, ``metrics.json``, ``review.png``, ``review.csv`` and ``oof.npz`` (every
+probability, for mixing) to ``--out`` (default ``models/crossfit``), each fold's data, model and
+checkpoints under ``fold-k`` (a killed run resumes the fold it was in), and logs a run ``crossfit`` to the
+project's MLflow store (the folds' trainings are runs of their own). Cost: ``--folds`` trainings, each on
+(folds - 1) / folds of the train and val images.
+
+``--combine DIR DIR ...`` trains nothing: it averages the out-of-fold probabilities of earlier runs on the
+same folds (recipes that differ, e.g. the members of an ensemble; runs at another ``prepare.image_size``
+too, their images checked by path) and reports that ensemble the same way; the test split is then scored
+by the mean of all their models.
 """
 
 from __future__ import annotations
@@ -137,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prepared", type=Path, default=Path("data/prepared"))
     ap.add_argument("--max-false-alarm-rate", type=float, default=0.03)
     ap.add_argument("--out", type=Path, default=Path("models/crossfit"))
+    ap.add_argument("--combine", type=Path, nargs="+", metavar="DIR",
+                    help="no training: the mean of earlier runs' out-of-fold scores (their --out folders, the "
+                         "same folds), an ensemble of their recipes judged out of fold")  # fmt: skip
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s crossfit %(levelname)s %(name)s: %(message)s")
     for noisy in ("alembic", "mlflow.store", "urllib3", "matplotlib", "PIL", "git"):
@@ -146,24 +155,37 @@ def main(argv: list[str] | None = None) -> int:
 
     import yaml
 
+    info = read_summary(args.prepared)
+    pooled = pool(args.prepared)
+    with np.load(args.prepared / "test.npz") as z:
+        x_test, y_test = z["images"], z["labels"]
+    raw = yaml.safe_load(args.params.read_text())
+    if args.combine:
+        fold, oof_probs, test_probs = combine(args.combine, pooled)
+        source = " + ".join(map(str, args.combine))
+    else:
+        fold, oof_probs, test_probs = crossfit(args, raw, info, pooled, x_test)
+        source = str(args.params)
+        np.savez(args.out / "oof.npz", paths=pooled["paths"].astype(str), fold=fold, probs=oof_probs,
+                 test_probs=np.array(test_probs))  # fmt: skip
+    metrics = report(args, info, pooled, fold, oof_probs, test_probs, y_test, source)
+    log_to_mlflow(raw["mlflow"], args, source, metrics)
+    return 0
+
+
+def crossfit(args: argparse.Namespace, raw: dict, info: dict, pooled: dict, x_test: np.ndarray) -> tuple:
+    """Train one model per fold; (fold of each pooled image, out-of-fold probabilities, test probabilities
+    of each fold's model)."""
     from pipeline.train import train
 
-    raw = yaml.safe_load(args.params.read_text())
     raw = apply_changes(raw, {"train.ensemble": 1, "train.ensemble_members": []}, str(args.params))
-    info = read_summary(args.prepared)
     if raw["prepare"]["image_size"] != info["image_size"]:
         raise SystemExit(f"{args.params}: prepare.image_size is {raw['prepare']['image_size']}, but "
                          f"{args.prepared} holds {info['image_size']} px images; run `dvc repro prepare` "
                          f"with these params first")  # fmt: skip
     load_params(args.params)  # every key checked, with the message naming a wrong one
-    pooled = pool(args.prepared)
-    ok_index = info["classes"].index(info["ok_class"])
-    labels, groups = pooled["labels"], pooled["groups"]
-    fold = group_folds(labels, groups, args.folds, raw["data"]["seed"])
-    oof = np.full(len(labels), np.nan)
-    oof_probs = np.zeros((len(labels), len(info["classes"])), np.float32)
-    with np.load(args.prepared / "test.npz") as z:
-        x_test, y_test = z["images"], z["labels"]
+    fold = group_folds(pooled["labels"], pooled["groups"], args.folds, raw["data"]["seed"])
+    oof_probs = np.zeros((len(fold), len(info["classes"])), np.float32)
     test_probs = []
     for k in range(args.folds):
         held = fold == k
@@ -172,11 +194,37 @@ def main(argv: list[str] | None = None) -> int:
         params = params_from_dict(apply_changes(raw, {"train.seed": raw["train"]["seed"] + k}, f"fold {k}"))
         logging.info("fold %d of %d: %d images held out, training on %d", k + 1, args.folds, held.sum(), (~held).sum())
         train(params, prepared, where / "model", where / "reports")
-        p_val, p_test = score(where / "model/model.pt", [pooled["images"][held], x_test], params.train.precision)
-        oof_probs[held] = p_val
-        oof[held] = 1 - p_val[:, ok_index]
+        oof_probs[held], p_test = score(
+            where / "model/model.pt", [pooled["images"][held], x_test], params.train.precision
+        )
         test_probs.append(p_test)
+    return fold, oof_probs, test_probs
 
+
+def combine(runs: list[Path], pooled: dict) -> tuple:
+    """Earlier runs' ``oof.npz`` on the same images and folds -> the mean of their out-of-fold probabilities,
+    and every one of their models' test probabilities."""
+    fold, probs, test_probs = None, [], []
+    for run in runs:
+        if not (run / "oof.npz").is_file():
+            raise SystemExit(f"--combine {run}: no oof.npz there (an experiments/crossfit.py --out folder)")
+        with np.load(run / "oof.npz") as z:
+            if list(z["paths"]) != [str(p) for p in pooled["paths"]]:
+                raise SystemExit(f"--combine {run}: scored other images than the train and val splits here")
+            if fold is not None and not np.array_equal(z["fold"], fold):
+                raise SystemExit(f"--combine {run}: other folds than {runs[0]} (another --folds or data.seed)")
+            fold = z["fold"]
+            probs.append(z["probs"])
+            test_probs += list(z["test_probs"])
+    return fold, np.mean(probs, 0), test_probs
+
+
+def report(args, info, pooled, fold, oof_probs, test_probs, y_test, source) -> dict:  # fmt: skip
+    """metrics.json, review.csv, review.png and report.md in ``args.out``; the metrics."""
+    labels, groups = pooled["labels"], pooled["groups"]
+    ok_index = info["classes"].index(info["ok_class"])
+    oof = 1 - oof_probs[:, ok_index]
+    folds = int(fold.max()) + 1
     far = args.max_false_alarm_rate
     ok, t_ok = labels == ok_index, y_test == ok_index
     w = group_weights(groups, ~ok)
@@ -189,16 +237,16 @@ def main(argv: list[str] | None = None) -> int:
     oracle = binary_metrics(ens, ~t_ok, threshold_for_false_alarms(ens[t_ok], far))
     n_train = sum(info["splits"]["train"].values())
     metrics = {
-        "folds": args.folds,
+        "folds": folds,
         "oof_auc": roc_auc(oof, ~ok),
-        "oof_auc_by_fold": [roc_auc(oof[fold == k], ~ok[fold == k]) for k in range(args.folds)],
+        "oof_auc_by_fold": [roc_auc(oof[fold == k], ~ok[fold == k]) for k in range(folds)],
         "oof_auc_train_split": roc_auc(oof[:n_train], ~ok[:n_train]),
         "oof_auc_val_split": roc_auc(oof[n_train:], ~ok[n_train:]),
         "oof_accuracy": float((oof_probs.argmax(1) == labels).mean()),
         "oof_cut": cut,
         "oof_recall_at_far": pooled_at_cut["defect_recall"],
         "oof_false_alarms_by_images": pooled_at_cut["false_alarm_rate"],
-        "test_auc_by_fold": [roc_auc(s, ~t_ok) for s in test_scores],
+        "test_auc_by_model": [roc_auc(s, ~t_ok) for s in test_scores],
         "test_auc": roc_auc(ens, ~t_ok),
         "test_recall_at_oof_cut": at_cut["defect_recall"],
         "test_false_alarms_at_oof_cut": at_cut["false_alarm_rate"],
@@ -211,11 +259,11 @@ def main(argv: list[str] | None = None) -> int:
         out = csv.writer(f)
         out.writerow(["path", "label", "group", "fold", "oof_defect_score"])
         for i in sorted(range(len(labels)), key=lambda i: (labels[i] != ok_index, -oof[i] if ok[i] else oof[i])):
-            out.writerow([pooled["paths"][i], info["classes"][labels[i]], groups[i], fold[i], f"{oof[i]:.4f}"])
+            out.writerow([pooled["paths"][i], info["classes"][labels[i]], groups[i], fold[i], f"{oof[i]:.6f}"])
     review_sheet(pooled, oof, ok, info["classes"], args.out / "review.png")
     pct = f"{far:.0%}"
     table = "\n".join([
-        f"| figure ({args.folds} folds of {len(labels)} train and val images; {args.params}) | value |",
+        f"| figure ({folds} folds of {len(labels)} train and val images; {source}) | value |",
         "|---|---|",
         f"| out-of-fold AUC, all / train split / val split / by fold | {metrics['oof_auc']:.3f} / "
         f"{metrics['oof_auc_train_split']:.3f} / {metrics['oof_auc_val_split']:.3f} / "
@@ -223,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         f"| out-of-fold recall at the cut flagging {pct} of OK parts (false alarms by images) | "
         f"{metrics['oof_recall_at_far']:.2f} ({metrics['oof_false_alarms_by_images']:.2f}) |",
         f"| out-of-fold 6-class accuracy | {metrics['oof_accuracy']:.2f} |",
-        "| test AUC, the folds' models / their mean | " + ", ".join(f"{a:.3f}" for a in metrics["test_auc_by_fold"])
+        "| test AUC, each model / their mean | " + ", ".join(f"{a:.3f}" for a in metrics["test_auc_by_model"])
         + f" / {metrics['test_auc']:.3f} |",
         f"| test recall at the out-of-fold cut (test false alarms) / oracle | {metrics['test_recall_at_oof_cut']:.2f} "
         f"({metrics['test_false_alarms_at_oof_cut']:.2f}) / {metrics['test_oracle_recall']:.2f} |",
@@ -231,17 +279,16 @@ def main(argv: list[str] | None = None) -> int:
     ]) + "\n"  # fmt: skip
     (args.out / "report.md").write_text(table)
     print(table)
-    log_to_mlflow(raw["mlflow"], args, metrics)
-    return 0
+    return metrics
 
 
-def log_to_mlflow(mlflow_params: dict, args: argparse.Namespace, metrics: dict) -> None:
+def log_to_mlflow(mlflow_params: dict, args: argparse.Namespace, source: str, metrics: dict) -> None:
     from pipeline import tracking
     from pipeline.config import MlflowConfig
 
     try:
         with tracking.open_run(MlflowConfig(**mlflow_params), run_name="crossfit") as run:
-            run.log_params({"folds": args.folds, "params": str(args.params)})
+            run.log_params({"folds": metrics["folds"], "source": source})
             run.log_metrics({k: v for k, v in metrics.items() if isinstance(v, float | int)})
             run.log_artifacts(args.out / "report.md", "crossfit")
             run.log_artifacts(args.out / "review.png", "crossfit")

@@ -11,6 +11,7 @@ import torch
 import yaml
 
 from pipeline.config import params_from_dict
+from pipeline.metrics import roc_auc
 from pipeline.model import create_model
 from tests.conftest import ROOT, tiny_params, venv_env
 
@@ -68,8 +69,8 @@ def test_crossfit_scores_every_train_and_val_image_with_a_model_that_never_saw_i
     env = venv_env()
     env["PYTHONPATH"] = str(ROOT)
 
-    def crossfit():
-        proc = subprocess.run([sys.executable, str(ROOT / "experiments/crossfit.py"), "--folds", "2"],
+    def crossfit(*extra):
+        proc = subprocess.run([sys.executable, str(ROOT / "experiments/crossfit.py"), "--folds", "2", *extra],
                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
         return proc
@@ -89,7 +90,7 @@ def test_crossfit_scores_every_train_and_val_image_with_a_model_that_never_saw_i
     ok_rows = [float(r["oof_defect_score"]) for r in rows if r["label"] == "ok"]
     assert ok_rows == sorted(ok_rows, reverse=True) and rows[0]["label"] == "ok"  # the OK labels to check first
     m = json.loads((out / "metrics.json").read_text())
-    assert 0 <= m["oof_auc"] <= 1 and len(m["test_auc_by_fold"]) == 2 and 0 <= m["test_oracle_recall"] <= 1
+    assert 0 <= m["oof_auc"] <= 1 and len(m["test_auc_by_model"]) == 2 and 0 <= m["test_oracle_recall"] <= 1
     assert f"{m['oof_auc']:.3f}" in (out / "report.md").read_text() and (out / "review.png").stat().st_size > 0
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
     run = mlflow.search_runs(
@@ -104,3 +105,17 @@ def test_crossfit_scores_every_train_and_val_image_with_a_model_that_never_saw_i
     assert (out / "fold-0/prepared/train.npz").stat().st_mtime_ns == stamp
     assert again.stderr.count("resuming from") == 2, again.stderr[-2000:]  # both folds, no retraining
     assert json.loads((out / "metrics.json").read_text()) == m
+
+    # A second recipe on the same folds, then the two mixed out of fold: the mean of their probabilities.
+    p["train"]["seed"] = 7
+    (tmp_path / "other.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
+    crossfit("--params", "other.yaml", "--out", "models/other")
+    crossfit("--combine", "models/crossfit", "models/other", "--out", "models/mix")
+    a, b = (np.load(tmp_path / f"models/{d}/oof.npz") for d in ("crossfit", "other"))
+    assert np.array_equal(a["fold"], b["fold"]) and not np.allclose(a["probs"], b["probs"])
+    info = json.loads((tmp_path / "data/prepared/prepare.json").read_text())
+    k = info["classes"].index(info["ok_class"])
+    ok = np.array([r["label"] == "ok" for r in sorted(rows, key=lambda r: list(map(str, a["paths"])).index(r["path"]))])
+    mixed = json.loads((tmp_path / "models/mix/metrics.json").read_text())
+    assert mixed["oof_auc"] == roc_auc(1 - (a["probs"][:, k] + b["probs"][:, k]) / 2, ~ok)
+    assert len(mixed["test_auc_by_model"]) == 4
