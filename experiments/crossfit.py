@@ -102,38 +102,17 @@ def score(model_file: Path, images: list[np.ndarray], precision: str) -> list[np
     return [softmax(predict_logits(model, x, rt)) for x in images]
 
 
-def review_sheet(
-    pooled: dict, oof: np.ndarray, ok: np.ndarray, classes: list[str], out: Path, per_row: int = 8
-) -> None:
+def review_sheet(pooled: dict, oof: np.ndarray, ok: np.ndarray, classes: list[str], cut: float, out: Path) -> None:
     """The highest-scoring OK parts (one shot each) and the lowest-scoring defects, out of fold."""
-    import matplotlib
+    from pipeline.evaluate import highest_shot_per_part, review_grid
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    seen: set = set()
-    top = []
-    for i in np.argsort(-oof, kind="stable"):
-        if ok[i] and pooled["groups"][i] not in seen:
-            seen.add(pooled["groups"][i])
-            top.append(i)
-    low = [i for i in np.argsort(oof, kind="stable") if not ok[i]]
-    rows = {"OK parts scored highest out of fold": top[:per_row], "defects scored lowest": low[:per_row]}
-    fig, axes = plt.subplots(2, per_row, figsize=(2 * per_row, 4.6), squeeze=False)
-    for r, (title, idx) in enumerate(rows.items()):
-        axes[r][0].set_title(title, loc="left", fontsize=9)
-        for c in range(per_row):
-            ax = axes[r][c]
-            ax.axis("off")
-            if c < len(idx):
-                i = idx[c]
-                ax.imshow(pooled["images"][i].squeeze(), cmap="gray")
-                ax.text(2, 10, f"{oof[i]:.2f}", color="red", fontsize=8)
-                label = classes[pooled["labels"][i]]
-                ax.set_title(f"{label}: {Path(str(pooled['paths'][i])).name}", fontsize=6, y=-0.12)
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    data = (pooled["images"], pooled["labels"], [str(p) for p in pooled["paths"]], oof)
+    keep = highest_shot_per_part(ok, oof, pooled["groups"])
+    top = [int(i) for i in np.argsort(-oof, kind="stable") if keep[i]][:8]
+    low = [int(i) for i in np.argsort(oof, kind="stable") if not ok[i]][:8]
+    rows = {"OK parts scored highest out of fold (check their labels)": ("pool", data, top),
+            "defects scored lowest out of fold": ("pool", data, low)}  # fmt: skip
+    review_grid(rows, classes, cut, 8, out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,7 +239,7 @@ def report(args, info, pooled, fold, oof_probs, test_probs, y_test, source) -> d
         out.writerow(["path", "label", "group", "fold", "oof_defect_score"])
         for i in sorted(range(len(labels)), key=lambda i: (labels[i] != ok_index, -oof[i] if ok[i] else oof[i])):
             out.writerow([pooled["paths"][i], info["classes"][labels[i]], groups[i], fold[i], f"{oof[i]:.6f}"])
-    review_sheet(pooled, oof, ok, info["classes"], args.out / "review.png")
+    review_sheet(pooled, oof, ok, info["classes"], cut, args.out / "review.png")
     pct = f"{far:.0%}"
     table = "\n".join([
         f"| figure ({folds} folds of {len(labels)} train and val images; {source}) | value |",

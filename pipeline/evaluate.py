@@ -127,6 +127,16 @@ def evaluate(
 Split = tuple[np.ndarray, np.ndarray, list[str], np.ndarray]  # images, labels, paths, defect scores
 
 
+def highest_shot_per_part(keep: np.ndarray, scores: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """``keep`` narrowed to each near-duplicate group's highest-scoring image (one shot per part)."""
+    keep, seen = keep.copy(), set()
+    for i in np.argsort(-scores, kind="stable"):
+        if keep[i]:
+            keep[i] = groups[i] not in seen
+            seen.add(groups[i])
+    return keep
+
+
 def review_sheet(val: Split, test: Split, classes: list[str], ok_class: str, far_threshold: float,
                  out_dir: Path, val_groups: np.ndarray | None = None, per_row: int = 8) -> dict:  # fmt: skip
     """The images a person should look at first: review.csv and review.png.
@@ -139,12 +149,8 @@ def review_sheet(val: Split, test: Split, classes: list[str], ok_class: str, far
     """
     ok = classes.index(ok_class)
     val_ok = val[1] == ok
-    if val_groups is not None:  # keep each OK part's highest-scoring shot only
-        seen: set = set()
-        for i in np.argsort(-val[3], kind="stable"):
-            if val_ok[i]:
-                val_ok[i] = val_groups[i] not in seen
-                seen.add(val_groups[i])
+    if val_groups is not None:
+        val_ok = highest_shot_per_part(val_ok, val[3], val_groups)
     missed = (test[1] != ok) & (test[3] < far_threshold)
     flagged = (test[1] == ok) & (test[3] >= far_threshold)
 
@@ -163,11 +169,12 @@ def review_sheet(val: Split, test: Split, classes: list[str], ok_class: str, far
         out.writerow(["row", "split", "path", "label", "defect_score"])
         for name, (split, (_, y, paths, scores), idx) in rows.items():
             out.writerows([name, split, paths[i], classes[y[i]], f"{scores[i]:.6f}"] for i in idx)
-    _review_grid(rows, classes, far_threshold, per_row, out_dir / "review.png")
+    review_grid(rows, classes, far_threshold, per_row, out_dir / "review.png")
     return {"review_missed_defects": int(missed.sum()), "review_flagged_ok": int(flagged.sum())}
 
 
-def _review_grid(rows: dict, classes: list[str], threshold: float, per_row: int, path: Path) -> None:
+def review_grid(rows: dict, classes: list[str], threshold: float, per_row: int, path: Path) -> None:
+    """One row of images per entry of ``rows``: {title: (split name, (images, labels, paths, scores), indices)}."""
     import matplotlib.pyplot as plt
 
     fig = plt.figure(figsize=(1.5 * per_row, 2.2 * len(rows)), layout="constrained")
