@@ -17,6 +17,10 @@ unlucky split:
   labeled image but the test split's seen by some of them): test AUC, the test recall at the
   out-of-fold cut and the test split's own oracle. A test AUC far above ``oof_auc`` says the test split is
   easier than the data as a whole;
+- by the original image's longer side (quarters of the pooled images, from the validate stage's
+  ``manifest.csv``): out-of-fold AUC, recall and false alarms at the cut. Where the large images score far
+  worse than the small ones, the downscale to ``prepare.image_size`` is a suspect; on the magnetic tiles
+  the photographs of 496-632 px rank at AUC 0.60-0.73 for every recipe measured, those below at 0.77-0.99;
 - the review sheet: the OK parts that score highest out of fold (one shot each) and the defects that score
   lowest, from the whole dataset, with their paths in ``review.csv``: the labels to check first.
 
@@ -91,6 +95,42 @@ def write_fold(prepared: Path, pooled: dict, held_out: np.ndarray, dest: Path) -
     return dest
 
 
+def by_size(sides: np.ndarray, oof: np.ndarray, is_defect: np.ndarray, cut: float, bins: int = 4) -> list[dict]:
+    """Out-of-fold figures of the images in each quarter (``bins``) of the original longer side: a recipe that
+    loses small defects in the downscale ranks the large images worse. [] when every image has one size."""
+    edges = np.unique(np.quantile(sides, np.linspace(0, 1, bins + 1)))
+    if len(edges) < 2:
+        return []
+    rows = []
+    for i, (lo, hi) in enumerate(zip(edges[:-1], edges[1:], strict=True)):
+        inside = (sides >= lo) & ((sides <= hi) if i == len(edges) - 2 else (sides < hi))
+        at_cut = binary_metrics(oof[inside], is_defect[inside], cut)
+        rows.append({
+            "longer_side": [int(lo), int(hi)],
+            "images": int(inside.sum()),
+            "defects": int(is_defect[inside].sum()),
+            "auc": roc_auc(oof[inside], is_defect[inside]),
+            "recall_at_cut": at_cut["defect_recall"],
+            "false_alarms_at_cut": at_cut["false_alarm_rate"],
+        })  # fmt: skip
+    return rows
+
+
+def longer_sides(manifest: Path, paths: np.ndarray) -> np.ndarray | None:
+    """Each image's original longer side in pixels from the validate stage's manifest; None without one (or
+    with one that does not list every image)."""
+    if not manifest.is_file():
+        return None
+    with open(manifest, newline="") as f:
+        side = {r["path"]: max(int(r["width"]), int(r["height"])) for r in csv.DictReader(f)}
+    missing = [str(p) for p in paths if str(p) not in side]
+    if missing:  # reported after the trainings: warn and leave the breakdown out rather than lose the run
+        logging.warning("--manifest %s: %d pooled images not listed (first: %s), the manifest of another dataset? "
+                        "No figures by image size", manifest, len(missing), missing[0])  # fmt: skip
+        return None
+    return np.array([side[str(p)] for p in paths])
+
+
 def score(model_file: Path, images: list[np.ndarray], precision: str) -> list[np.ndarray]:
     from pipeline.loop import predict_logits
     from pipeline.runtime import resolve_runtime
@@ -121,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--params", type=Path, default=Path("params.yaml"), help="the recipe (a params.yaml)")
     ap.add_argument("--prepared", type=Path, default=Path("data/prepared"))
     ap.add_argument("--max-false-alarm-rate", type=float, default=0.03)
+    ap.add_argument("--manifest", type=Path, default=Path("data/validated/manifest.csv"),
+                    help="the validate stage's manifest: original image sizes for the figures by size")  # fmt: skip
     ap.add_argument("--out", type=Path, default=Path("models/crossfit"))
     ap.add_argument("--combine", type=Path, nargs="+", metavar="DIR",
                     help="no training: the mean of earlier runs' out-of-fold scores (their --out folders, the "
@@ -232,6 +274,8 @@ def report(args, info, pooled, fold, oof_probs, test_probs, y_test, source) -> d
         "test_oracle_recall": oracle["defect_recall"],
         "test_accuracy": float((mean_probs.argmax(1) == y_test).mean()),
     }
+    sides = longer_sides(args.manifest, pooled["paths"])
+    metrics["oof_by_longer_side"] = [] if sides is None else by_size(sides, oof, ~ok, cut)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     with open(args.out / "review.csv", "w", newline="") as f:
@@ -256,6 +300,13 @@ def report(args, info, pooled, fold, oof_probs, test_probs, y_test, source) -> d
         f"({metrics['test_false_alarms_at_oof_cut']:.2f}) / {metrics['test_oracle_recall']:.2f} |",
         f"| test 6-class accuracy, the mean | {metrics['test_accuracy']:.2f} |",
     ]) + "\n"  # fmt: skip
+    if metrics["oof_by_longer_side"]:
+        table += "\n| original longer side (px) | images (defects) | out-of-fold AUC | recall at the cut "
+        table += "(false alarms) |\n|---|---|---|---|\n"
+        for r in metrics["oof_by_longer_side"]:
+            lo, hi = r["longer_side"]
+            table += (f"| {lo}-{hi} | {r['images']} ({r['defects']}) | {r['auc']:.3f} | "
+                      f"{r['recall_at_cut']:.2f} ({r['false_alarms_at_cut']:.2f}) |\n")  # fmt: skip
     (args.out / "report.md").write_text(table)
     print(table)
     return metrics
@@ -269,6 +320,8 @@ def log_to_mlflow(mlflow_params: dict, args: argparse.Namespace, source: str, me
         with tracking.open_run(MlflowConfig(**mlflow_params), run_name="crossfit") as run:
             run.log_params({"folds": metrics["folds"], "source": source})
             run.log_metrics({k: v for k, v in metrics.items() if isinstance(v, float | int)})
+            by_side = {f"oof_auc_longer_side_q{i + 1}": r["auc"] for i, r in enumerate(metrics["oof_by_longer_side"])}
+            run.log_metrics({k: v for k, v in by_side.items() if np.isfinite(v)})
             run.log_artifacts(args.out / "report.md", "crossfit")
             run.log_artifacts(args.out / "review.png", "crossfit")
             run.log_artifacts(args.out / "review.csv", "crossfit")

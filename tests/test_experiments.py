@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 import subprocess
 import sys
@@ -55,6 +56,30 @@ def test_group_folds_keeps_each_part_in_one_fold_and_spreads_every_class():
         counts = np.bincount(fold[labels == c], minlength=3)
         assert counts.max() - counts.min() <= 3, (c, counts)  # dealt evenly, to within one part
     assert np.array_equal(fold, group_folds(labels, groups, 3, seed=0))  # the same folds again
+
+
+def test_crossfit_breaks_the_out_of_fold_figures_down_by_original_image_size(tmp_path, caplog):
+    from experiments.crossfit import by_size, longer_sides
+
+    manifest = tmp_path / "manifest.csv"
+    rows = [f"s{i}.png,a,x,y,g{i},{100 + i},90,L" for i in range(8)]
+    rows += [f"l{i}.png,a,x,y,h{i},300,{800 + i},L" for i in range(8)]  # portrait: the height is the longer side
+    manifest.write_text("path,label,sha256,dhash,group,width,height,mode\n" + "\n".join(rows) + "\n")
+    paths = np.array([f"s{i}.png" for i in range(8)] + [f"l{i}.png" for i in range(8)])
+    sides = longer_sides(manifest, paths)
+    assert list(sides) == [100 + i for i in range(8)] + [800 + i for i in range(8)]  # the longer side, either way
+    defect = np.array([True, False] * 8)
+    # The small images ranked perfectly, the large ones upside down: the breakdown says which.
+    oof = np.where(np.arange(16) < 8, np.where(defect, 0.9, 0.1), np.where(defect, 0.1, 0.9))
+    rows = by_size(sides, oof, defect, cut=0.5, bins=2)
+    assert [r["longer_side"] for r in rows] == [[100, 453], [453, 807]] and [r["images"] for r in rows] == [8, 8]
+    figures = [(r["auc"], r["recall_at_cut"], r["false_alarms_at_cut"]) for r in rows]
+    assert figures == [(1.0, 1.0, 0.0), (0.0, 0.0, 1.0)]
+    assert by_size(np.full(16, 128), oof, defect, cut=0.5) == []  # one size: nothing to break down
+    assert longer_sides(tmp_path / "none.csv", paths) is None
+    with caplog.at_level(logging.WARNING):  # another dataset's manifest: the run's figures are kept, no breakdown
+        assert longer_sides(manifest, np.array(["other.png"])) is None
+    assert "1 pooled images not listed (first: other.png)" in caplog.text
 
 
 def test_crossfit_scores_every_train_and_val_image_with_a_model_that_never_saw_it(prepared_project, tmp_path):
