@@ -119,10 +119,11 @@ def by_size(sides: np.ndarray, oof: np.ndarray, is_defect: np.ndarray, cut: floa
 def longer_sides(manifest: Path, paths: np.ndarray) -> np.ndarray | None:
     """Each image's original longer side in pixels from the validate stage's manifest; None without one (or
     with one that does not list every image)."""
+    from pipeline.validate import read_manifest
+
     if not manifest.is_file():
         return None
-    with open(manifest, newline="") as f:
-        side = {r["path"]: max(int(r["width"]), int(r["height"])) for r in csv.DictReader(f)}
+    side = {r["path"]: max(int(r["width"]), int(r["height"])) for r in read_manifest(manifest)}
     missing = [str(p) for p in paths if str(p) not in side]
     if missing:  # reported after the trainings: warn and leave the breakdown out rather than lose the run
         logging.warning("--manifest %s: %d pooled images not listed (first: %s), the manifest of another dataset? "
@@ -319,9 +320,9 @@ def log_to_mlflow(mlflow_params: dict, args: argparse.Namespace, source: str, me
     try:
         with tracking.open_run(MlflowConfig(**mlflow_params), run_name="crossfit") as run:
             run.log_params({"folds": metrics["folds"], "source": source})
-            run.log_metrics({k: v for k, v in metrics.items() if isinstance(v, float | int)})
-            by_side = {f"oof_auc_longer_side_q{i + 1}": r["auc"] for i, r in enumerate(metrics["oof_by_longer_side"])}
-            run.log_metrics({k: v for k, v in by_side.items() if np.isfinite(v)})
+            values = {k: v for k, v in metrics.items() if isinstance(v, float | int)}
+            values |= {f"oof_auc_longer_side_q{i + 1}": r["auc"] for i, r in enumerate(metrics["oof_by_longer_side"])}
+            run.log_metrics({k: v for k, v in values.items() if np.isfinite(v)})
             run.log_artifacts(args.out / "report.md", "crossfit")
             run.log_artifacts(args.out / "review.png", "crossfit")
             run.log_artifacts(args.out / "review.csv", "crossfit")
