@@ -17,6 +17,7 @@ unlucky split:
   labeled image but the test split's seen by some of them): test AUC, the test recall at the
   out-of-fold cut and the test split's own oracle. A test AUC far above ``oof_auc`` says the test split is
   easier than the data as a whole;
+- by defect class: each class's out-of-fold AUC against the OK images and the share the cut catches;
 - by the original image's longer side (quarters of the pooled images, from the validate stage's
   ``manifest.csv``): out-of-fold AUC, recall and false alarms at the cut. Where the large images score far
   worse than the small ones, the downscale to ``prepare.image_size`` is a suspect; on the magnetic tiles
@@ -112,6 +113,24 @@ def by_size(sides: np.ndarray, oof: np.ndarray, is_defect: np.ndarray, cut: floa
             "auc": roc_auc(oof[inside], is_defect[inside]),
             "recall_at_cut": at_cut["defect_recall"],
             "false_alarms_at_cut": at_cut["false_alarm_rate"],
+        })  # fmt: skip
+    return rows
+
+
+def by_class(labels: np.ndarray, ok_index: int, classes: list[str], oof: np.ndarray, cut: float) -> list[dict]:
+    """Out-of-fold figures of each defect class: its images against every OK image (AUC) and the share of them
+    the cut catches. A class far below the others is the kind of defect the recipe does not see."""
+    ok = labels == ok_index
+    rows = []
+    for c, name in enumerate(classes):
+        mine = labels == c
+        if c == ok_index or not mine.any():
+            continue
+        rows.append({
+            "class": name,
+            "images": int(mine.sum()),
+            "auc_against_ok": roc_auc(oof[mine | ok], mine[mine | ok]),
+            "recall_at_cut": float((oof[mine] >= cut).mean()),
         })  # fmt: skip
     return rows
 
@@ -277,6 +296,7 @@ def report(args, info, pooled, fold, oof_probs, test_probs, y_test, source) -> d
     }
     sides = longer_sides(args.manifest, pooled["paths"])
     metrics["oof_by_longer_side"] = [] if sides is None else by_size(sides, oof, ~ok, cut)
+    metrics["oof_by_class"] = by_class(labels, ok_index, info["classes"], oof, cut)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     with open(args.out / "review.csv", "w", newline="") as f:
@@ -301,6 +321,10 @@ def report(args, info, pooled, fold, oof_probs, test_probs, y_test, source) -> d
         f"({metrics['test_false_alarms_at_oof_cut']:.2f}) / {metrics['test_oracle_recall']:.2f} |",
         f"| test 6-class accuracy, the mean | {metrics['test_accuracy']:.2f} |",
     ]) + "\n"  # fmt: skip
+    table += "\n| defect class | images | out-of-fold AUC against the OK images | recall at the cut |\n"
+    table += "|---|---|---|---|\n"
+    for r in metrics["oof_by_class"]:
+        table += f"| {r['class']} | {r['images']} | {r['auc_against_ok']:.3f} | {r['recall_at_cut']:.2f} |\n"
     if metrics["oof_by_longer_side"]:
         table += "\n| original longer side (px) | images (defects) | out-of-fold AUC | recall at the cut "
         table += "(false alarms) |\n|---|---|---|---|\n"
@@ -322,6 +346,8 @@ def log_to_mlflow(mlflow_params: dict, args: argparse.Namespace, source: str, me
             run.log_params({"folds": metrics["folds"], "source": source})
             values = {k: v for k, v in metrics.items() if isinstance(v, float | int)}
             values |= {f"oof_auc_longer_side_q{i + 1}": r["auc"] for i, r in enumerate(metrics["oof_by_longer_side"])}
+            values |= {f"oof_auc_class_{r['class']}": r["auc_against_ok"] for r in metrics["oof_by_class"]}
+            values |= {f"oof_recall_class_{r['class']}": r["recall_at_cut"] for r in metrics["oof_by_class"]}
             run.log_metrics({k: v for k, v in values.items() if np.isfinite(v)})
             run.log_artifacts(args.out / "report.md", "crossfit")
             run.log_artifacts(args.out / "review.png", "crossfit")

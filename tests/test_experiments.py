@@ -82,6 +82,21 @@ def test_crossfit_breaks_the_out_of_fold_figures_down_by_original_image_size(tmp
     assert "1 pooled images not listed (first: other.png)" in caplog.text
 
 
+def test_crossfit_breaks_the_out_of_fold_figures_down_by_defect_class():
+    from experiments.crossfit import by_class
+
+    classes = ["crack", "ok", "spot", "unused"]
+    labels = np.array([1] * 6 + [0] * 4 + [2] * 4)
+    # OK at 0.1-0.6; the cracks above every OK image, the spots below all but one: the spots are the kind missed.
+    oof = np.array([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.05, 0.15, 0.25, 0.65])
+    rows = by_class(labels, 1, classes, oof, cut=0.55)
+    assert [r["class"] for r in rows] == ["crack", "spot"]  # no row for OK or for a class without images
+    assert [r["images"] for r in rows] == [4, 4]
+    assert rows[0]["auc_against_ok"] == 1.0 and rows[0]["recall_at_cut"] == 1.0
+    assert abs(rows[1]["auc_against_ok"] - 9 / 24) < 1e-9  # 9 of the 24 spot-OK pairs ranked right (0.65 over 6, ...)
+    assert rows[1]["recall_at_cut"] == 0.25  # only 0.65 reaches the cut
+
+
 def test_crossfit_scores_every_train_and_val_image_with_a_model_that_never_saw_it(prepared_project, tmp_path):
     import csv
     import json
@@ -122,6 +137,11 @@ def test_crossfit_scores_every_train_and_val_image_with_a_model_that_never_saw_i
         experiment_names=[p["mlflow"]["experiment"]], filter_string="tags.mlflow.runName = 'crossfit'"
     )
     assert len(run) == 1 and abs(run["metrics.oof_auc"][0] - m["oof_auc"]) < 1e-9
+    for r in m["oof_by_class"]:  # every defect class in the report and the run, which kind is missed
+        assert f"| {r['class']} | {r['images']} | {r['auc_against_ok']:.3f} |" in (out / "report.md").read_text()
+        assert abs(run[f"metrics.oof_recall_class_{r['class']}"][0] - r["recall_at_cut"]) < 1e-9
+    info = json.loads((tmp_path / "data/prepared/prepare.json").read_text())
+    assert [r["class"] for r in m["oof_by_class"]] == [c for c in info["classes"] if c != info["ok_class"]]
 
     # Again, as after a kill: the folds' files are kept (their bytes are the trainings' fingerprint) and
     # the finished models are taken as they are, so the figures come out the same.
