@@ -30,6 +30,7 @@ from pipeline.augment import apply_policy, build_policy
 from pipeline.config import load_params
 from pipeline.model import create_model
 from pipeline.prepare import load_split
+from pipeline.runtime import resolve_runtime
 
 
 def view_policy(side: int) -> list[dict]:
@@ -69,15 +70,19 @@ def main() -> None:
     print(f"{len(images)} images from {args.splits}, {images.shape[1]} px, views of {args.view_size} px", flush=True)
 
     # The pipeline's own network (input normalization included), with its classifier removed.
-    net = create_model(params.model, num_classes=0, in_chans=images.shape[3]).to(memory_format=torch.channels_last)
+    # The train stage's device and precision (train.device, train.precision): bf16 on CPUs that have it, a GPU where
+    # there is one.
+    rt = resolve_runtime(params.train.device, params.train.precision)
+    net = create_model(params.model, num_classes=0, in_chans=images.shape[3])
+    net = net.to(rt.device, memory_format=torch.channels_last)
     dim = net.backbone.num_features
     projector = nn.Sequential(
         nn.Linear(dim, 512, bias=False), nn.BatchNorm1d(512), nn.ReLU(inplace=True),
         nn.Linear(512, 512, bias=False), nn.BatchNorm1d(512), nn.ReLU(inplace=True),
         nn.Linear(512, 512, bias=False), nn.BatchNorm1d(512, affine=False),
-    )  # fmt: skip
+    ).to(rt.device)  # fmt: skip
     predictor = nn.Sequential(nn.Linear(512, 128, bias=False), nn.BatchNorm1d(128), nn.ReLU(inplace=True),
-                              nn.Linear(128, 512))  # fmt: skip
+                              nn.Linear(128, 512)).to(rt.device)  # fmt: skip
     # The predictor keeps a constant learning rate (as in the paper); the rest decays on a cosine.
     opt = torch.optim.SGD(
         [{"params": [*net.parameters(), *projector.parameters()], "decay": True},
@@ -94,11 +99,13 @@ def main() -> None:
         losses, spread = [], []
         for i in range(steps):
             batch = images[order[i * args.batch_size : (i + 1) * args.batch_size]]
-            v1, v2 = random_view(batch, policy), random_view(batch, policy)
+            v1, v2 = (random_view(batch, policy).to(rt.device) for _ in range(2))
             for group in opt.param_groups:
                 group["lr"] = args.lr * (0.5 * (1 + math.cos(math.pi * step / total)) if group["decay"] else 1.0)
-            z = projector(net(torch.cat([v1, v2])))
-            p = predictor(z)
+            with rt.autocast():
+                z = projector(net(torch.cat([v1, v2])))
+                p = predictor(z)
+            z, p = z.float(), p.float()
             (z1, z2), (p1, p2) = z.chunk(2), p.chunk(2)
             loss = -(F.cosine_similarity(p1, z2.detach()).mean() + F.cosine_similarity(p2, z1.detach()).mean()) / 2
             opt.zero_grad(set_to_none=True)
