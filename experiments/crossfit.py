@@ -126,11 +126,12 @@ def by_class(labels: np.ndarray, ok_index: int, classes: list[str], oof: np.ndar
         mine = labels == c
         if c == ok_index or not mine.any():
             continue
+        judged = mine | ok
         rows.append({
             "class": name,
             "images": int(mine.sum()),
-            "auc_against_ok": roc_auc(oof[mine | ok], mine[mine | ok]),
-            "recall_at_cut": float((oof[mine] >= cut).mean()),
+            "auc_against_ok": roc_auc(oof[judged], mine[judged]),
+            "recall_at_cut": binary_metrics(oof[judged], mine[judged], cut)["defect_recall"],
         })  # fmt: skip
     return rows
 
