@@ -164,3 +164,18 @@ def test_crossfit_scores_every_train_and_val_image_with_a_model_that_never_saw_i
     mixed = json.loads((tmp_path / "models/mix/metrics.json").read_text())
     assert mixed["oof_auc"] == roc_auc(1 - (a["probs"][:, k] + b["probs"][:, k]) / 2, ~ok)
     assert len(mixed["test_auc_by_model"]) == 4
+    # The evaluate stage's cut once per fold: fold k's OK parts set it (each part weighing one), the mean of
+    # both recipes' fold-k models is judged on the test split.
+    from pipeline.metrics import binary_metrics, group_weights, threshold_for_false_alarms
+
+    with np.load(tmp_path / "data/prepared/test.npz") as z:
+        test_defect = z["labels"] != k
+    groups = np.concatenate([np.load(tmp_path / f"data/prepared/{n}.npz")["groups"] for n in ("train", "val")])
+    oof = 1 - (a["probs"][:, k] + b["probs"][:, k]) / 2
+    for f in (0, 1):
+        held_ok = (a["fold"] == f) & ok
+        cut = threshold_for_false_alarms(oof[held_ok], 0.03, group_weights(groups[held_ok]))
+        at = binary_metrics(1 - (a["test_probs"][f][:, k] + b["test_probs"][f][:, k]) / 2, test_defect, cut)
+        assert mixed["test_recall_at_fold_cuts"][f] == at["defect_recall"]
+        assert mixed["test_false_alarms_at_fold_cuts"][f] == at["false_alarm_rate"]
+    assert mixed["test_within_at_fold_cuts"] == sum(f <= 0.03 for f in mixed["test_false_alarms_at_fold_cuts"])
