@@ -179,3 +179,87 @@ def test_crossfit_scores_every_train_and_val_image_with_a_model_that_never_saw_i
         assert mixed["test_recall_at_fold_cuts"][f] == at["defect_recall"]
         assert mixed["test_false_alarms_at_fold_cuts"][f] == at["false_alarm_rate"]
     assert mixed["test_within_at_fold_cuts"] == sum(f <= 0.03 for f in mixed["test_false_alarms_at_fold_cuts"])
+
+
+def test_tiles_are_cut_at_full_resolution_and_labeled_by_the_defect_mask():
+    from experiments.tiles import cut_tiles, image_probs, spans, tile_labels
+
+    rng = np.random.default_rng(0)
+    image = rng.integers(0, 256, (200, 300, 3), dtype=np.uint8)
+    pieces = cut_tiles(image, 128)
+    assert [(x, y) for x, y, _ in pieces] == [(x, y) for y in (0, 72) for x in (0, 86, 172)]
+    covered = np.zeros((200, 300), bool)
+    for x, y, t in pieces:
+        assert t.shape == (128, 128, 3) and np.array_equal(t, image[y : y + 128, x : x + 128])  # 1:1, no resampling
+        covered[y : y + 128, x : x + 128] = True
+    assert covered.all() and spans(128, 128) == [0] and spans(129, 128) == [0, 1]
+    (x, y, small), = cut_tiles(image[:90, :100], 128)  # fmt: skip
+    top, left = (128 - 90) // 2, (128 - 100) // 2
+    assert np.array_equal(small[top : top + 90, left : left + 100], image[:90, :100])  # padded, not scaled
+
+    mask = np.zeros((200, 300), bool)
+    mask[10:15, 10:15] = True  # 25 px in the first tile only
+    mask[150:152, 295:299] = True  # 8 px, in the last tile: too few to call it a defect, too many to call it clean
+    positions = [(x, y) for x, y, _ in pieces]
+    assert tile_labels(mask, 3, 0, positions, 128, 16) == [3, 0, 0, 0, 0, None]
+    assert tile_labels(None, 3, 0, positions, 128, 16) == [None] * 6  # a defect without a mask: not known where
+    assert tile_labels(None, 0, 0, positions, 128, 16) == [0] * 6  # every tile of an OK image is OK
+
+    probs = np.array([[0.9, 0.1, 0.0], [0.3, 0.2, 0.5], [0.95, 0.05, 0.0], [0.6, 0.4, 0.0]], np.float32)
+    out = image_probs(probs, np.array([0, 0, 1, 1]), 2, ok_index=0)
+    assert np.array_equal(out, probs[[1, 3]])  # each image: its most suspicious tile's probabilities
+
+
+def test_tiles_fuses_a_tile_model_with_the_pipelines_model_at_the_evaluate_stages_cut(exported_project, tmp_path):
+    import json
+
+    import mlflow
+
+    shutil.copytree(exported_project, tmp_path, dirs_exist_ok=True)
+    env = venv_env()
+    env["PYTHONPATH"] = str(ROOT)
+
+    def tiles(*extra):
+        return subprocess.run([sys.executable, str(ROOT / "experiments/tiles.py"), "--tile", "32", "--epochs", "1",
+                               *extra], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+
+    (tmp_path / "nomasks").mkdir()
+    proc = tiles("--raw", "nomasks", "--out", "models/none")
+    assert proc.returncode != 0 and "nomasks/masks: no defect masks" in proc.stderr, proc.stderr[-2000:]
+
+    proc = tiles()
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    out = tmp_path / "models/tiles"
+    with np.load(tmp_path / "data/prepared/test.npz") as z:
+        y_test = z["labels"]
+    with np.load(out / "prepared/train.npz") as z:
+        assert z["images"].shape[1:3] == (32, 32)
+        paths = [str(p) for p in z["paths"]]
+    assert all("#" in p for p in paths) and {p.rsplit("#")[1] for p in paths} <= {"0,0", "32,0", "0,32", "32,32"}
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["tiles_per_image"] == 4.0  # 64 px images, 32 px tiles
+    # Whether the tile model learned is said, not left to be guessed from the figures (one epoch rarely does).
+    assert m["tile_model_fit"] == (m["tile_train_accuracy"] >= m["epoch_ok_share"] + 0.05)
+    assert f"train accuracy {m['tile_train_accuracy']:.2f}" in (out / "report.md").read_text()
+    assert m["tile_model_fit"] or "the tile model did not fit" in proc.stderr
+    s = np.load(out / "scores.npz")
+    assert np.allclose(s["fused_test"], (s["whole_test"] + s["tiles_test"]) / 2)
+    info = json.loads((tmp_path / "data/prepared/prepare.json").read_text())
+    ok = info["classes"].index(info["ok_class"])
+    for view in ("whole", "tiles", "fused"):  # each view judged by the evaluate stage's own figures
+        assert m[view]["roc_auc"] == roc_auc(1 - s[f"{view}_test"][:, ok], y_test != ok)
+        assert (out / view / "roc.png").stat().st_size > 0
+        assert f"| {view} | {m[view]['defect_recall_at_far_threshold']:.2f} " in (out / "report.md").read_text()
+    whole = json.loads((tmp_path / "reports/evaluate/metrics.json").read_text())
+    assert abs(m["whole"]["roc_auc"] - whole["roc_auc"]) < 1e-6  # the pipeline's model, as its evaluate stage saw it
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = mlflow.search_runs(experiment_names=["defect-detection"], filter_string="tags.mlflow.runName = 'tiles'")
+    assert len(run) == 1 and abs(run["metrics.fused_roc_auc"][0] - m["fused"]["roc_auc"]) < 1e-9
+    assert run["params.seed"][0] == str(m["seed"]) and run["metrics.tile_train_accuracy"][0] == m["tile_train_accuracy"]
+
+    # Again, as after a kill: the same tiles are not written or trained again, and the figures come out the same.
+    stamp = (out / "prepared/train.npz").stat().st_mtime_ns
+    again = tiles()
+    assert again.returncode == 0 and "resuming from" in again.stderr, again.stderr[-2000:]
+    assert (out / "prepared/train.npz").stat().st_mtime_ns == stamp
+    assert json.loads((out / "metrics.json").read_text()) == m
