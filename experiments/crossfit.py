@@ -101,12 +101,16 @@ def fold_cuts(fold: np.ndarray, groups: np.ndarray, ok: np.ndarray, oof: np.ndar
     """The pipeline's operating point, once per fold: fold k's models (with ``--combine`` the mean of every
     run's fold-k model; ``test_probs`` is run after run, fold after fold) judged on the test split at the cut
     flagging ``far`` of fold k's OK parts, the images they never saw, as the evaluate stage cuts on the val
-    split. Folds draws of the val cut with training sets of (folds - 1) / folds of the pooled images."""
+    split. Folds draws of the val cut with training sets of (folds - 1) / folds of the pooled images; NaN for
+    a fold without OK images."""
     folds = int(fold.max()) + 1
     runs = len(test_probs) // folds
     out = []
     for k in range(folds):
         held_ok = (fold == k) & ok
+        if not held_ok.any():  # tiny data: no OK part to set this fold's cut; the other figures still stand
+            out.append({"defect_recall": float("nan"), "false_alarm_rate": float("nan")})
+            continue
         cut = threshold_for_false_alarms(oof[held_ok], far, group_weights(groups[held_ok]))
         probs = np.mean([test_probs[r * folds + k] for r in range(runs)], 0)
         out.append(binary_metrics(1 - probs[:, ok_index], test_defect, cut))
@@ -314,7 +318,7 @@ def report(args, info, pooled, fold, oof_probs, test_probs, y_test, source) -> d
         "test_accuracy": float((mean_probs.argmax(1) == y_test).mean()),
         "test_recall_at_fold_cuts": [r["defect_recall"] for r in held_cuts],
         "test_false_alarms_at_fold_cuts": [r["false_alarm_rate"] for r in held_cuts],
-        "test_recall_at_fold_cuts_mean": float(np.mean([r["defect_recall"] for r in held_cuts])),
+        "test_recall_at_fold_cuts_mean": float(np.nanmean([r["defect_recall"] for r in held_cuts])),
         "test_within_at_fold_cuts": int(sum(r["false_alarm_rate"] <= far for r in held_cuts)),
     }
     sides = longer_sides(args.manifest, pooled["paths"])

@@ -97,6 +97,18 @@ def test_crossfit_breaks_the_out_of_fold_figures_down_by_defect_class():
     assert rows[1]["recall_at_cut"] == 0.25  # only 0.65 reaches the cut
 
 
+def test_crossfit_fold_cuts_skip_a_fold_without_ok_images_instead_of_losing_the_run():
+    from experiments.crossfit import fold_cuts
+
+    fold = np.array([0, 0, 0, 1, 1, 1])
+    ok = np.array([True, True, False, False, False, False])  # fold 1 holds defects only
+    oof = np.array([0.1, 0.2, 0.9, 0.8, 0.7, 0.6])
+    test = [np.array([[0.95, 0.05], [0.3, 0.7]]), np.array([[0.9, 0.1], [0.1, 0.9]])]  # (ok, defect) probs
+    rows = fold_cuts(fold, np.arange(6).astype(str), ok, oof, test, 0, 0.03, np.array([False, True]))
+    assert rows[0] == {"defect_recall": 1.0, "false_alarm_rate": 0.0, "binary_accuracy": 1.0}
+    assert np.isnan(rows[1]["defect_recall"]) and np.isnan(rows[1]["false_alarm_rate"])
+
+
 def test_crossfit_scores_every_train_and_val_image_with_a_model_that_never_saw_it(prepared_project, tmp_path):
     import csv
     import json
