@@ -181,7 +181,7 @@ def write_tile_data(dest: Path, info: dict, train_tiles: dict, val_tiles: dict) 
         return dest
     dest.mkdir(parents=True, exist_ok=True)
     info = dict(info, splits={})
-    for name, d in (("train", train_tiles), ("val", val_tiles), ("test", val_tiles)):
+    for name, d in (("train", train_tiles), ("val", val_tiles)):  # the train stage reads no test split
         keep = d["labels"] >= 0
         arrays = {k: d[k][keep] for k in KEYS}
         arrays["masks"] = np.full((int(keep.sum()), 1, 1), MASK_UNKNOWN, np.uint8)  # no mask head for tiles
