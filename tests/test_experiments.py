@@ -8,12 +8,14 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import torch
 import yaml
 
 from pipeline.config import params_from_dict
 from pipeline.metrics import roc_auc
 from pipeline.model import create_model
+from pipeline.train import read_history
 from tests.conftest import ROOT, tiny_params, venv_env
 
 
@@ -232,8 +234,8 @@ def test_tiles_fuses_a_tile_model_with_the_pipelines_model_at_the_evaluate_stage
     env["PYTHONPATH"] = str(ROOT)
 
     def tiles(*extra):
-        return subprocess.run([sys.executable, str(ROOT / "experiments/tiles.py"), "--tile", "32", "--epochs", "1",
-                               *extra], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+        cmd = [sys.executable, str(ROOT / "experiments/tiles.py"), "--tile", "32", "--epochs", "1", "--lr", "0.0005"]
+        return subprocess.run([*cmd, *extra], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
 
     (tmp_path / "nomasks").mkdir()
     proc = tiles("--raw", "nomasks", "--out", "models/none")
@@ -268,6 +270,9 @@ def test_tiles_fuses_a_tile_model_with_the_pipelines_model_at_the_evaluate_stage
     run = mlflow.search_runs(experiment_names=["defect-detection"], filter_string="tags.mlflow.runName = 'tiles'")
     assert len(run) == 1 and abs(run["metrics.fused_roc_auc"][0] - m["fused"]["roc_auc"]) < 1e-9
     assert run["params.seed"][0] == str(m["seed"]) and run["metrics.tile_train_accuracy"][0] == m["tile_train_accuracy"]
+    # The tile model's own learning rate reached the trainer (the params' 0.003 is for whole images).
+    assert read_history(out / "reports/history.csv")[0]["lr"] == pytest.approx(0.0005)
+    assert m["lr"] == 0.0005 and run["params.lr"][0] == "0.0005"
 
     # Again, as after a kill: the same tiles are not written or trained again, and the figures come out the same.
     stamp = (out / "prepared/train.npz").stat().st_mtime_ns
