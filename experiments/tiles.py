@@ -1,7 +1,7 @@
 """Does a model that sees the photographs at their own resolution help the pipeline's model? Measured on the
 real split, at the evaluate stage's own operating points.
 
-    python experiments/tiles.py [--with models/train/model.pt] [--epochs 40] [--ok-share 0.3]
+    python experiments/tiles.py [--with models/train/model.pt [MODEL ...]] [--epochs 40] [--ok-share 0.3]
 
 Run it in a project whose train stage has run on data with defect masks (``<source>_masks``, which the
 ingest stage copies to ``data/raw/masks``). Every image of the train, val and test splits is cut into
@@ -22,7 +22,9 @@ prepare stage's downscale of a 600 px photograph to 128 px leaves it under half 
   ``evaluate.max_false_alarm_rate`` of the val OK parts, judged on test; AUC; 6-class accuracy; the
   re-drawn splits; ROC and histogram plots): the pipeline's model (``--with``), the tiles, and the mean of
   the two's probabilities (the tiles weighing as much as the whole ensemble: on the magnetic tiles that
-  weight was measured best, 0.88 against 0.87 for the tiles as a fourth equal member, out of fold).
+  weight was measured best, 0.88 against 0.87 for the tiles as a fourth equal member, out of fold). Each
+  further ``--with`` model (an ensemble's member: ``models/train/checkpoints/member-0/model.pt``) adds its
+  own two views, ``whole-2`` and ``fused-2``, then ``-3``..., against the same tile model.
 
 Writes ``report.md``, ``metrics.json``, ``scores.npz`` (every probability) and one evaluate folder per view
 (``whole/``, ``tiles/``, ``fused/``) to ``--out`` (default ``models/tiles``), the tile data, model and
@@ -200,8 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--params", type=Path, default=Path("params.yaml"), help="the recipe (a params.yaml)")
     ap.add_argument("--prepared", type=Path, default=Path("data/prepared"))
     ap.add_argument("--raw", type=Path, default=Path("data/raw"), help="the ingest stage's images/ and masks/")
-    ap.add_argument("--with", dest="whole", type=Path, default=Path("models/train/model.pt"),
-                    help="the pipeline's model, fused with the tiles")  # fmt: skip
+    ap.add_argument("--with", dest="whole", type=Path, nargs="+", default=[Path("models/train/model.pt")],
+                    help="the pipeline's model (and any others), each fused with the tiles")  # fmt: skip
     ap.add_argument("--tile", type=int, default=0, help="tile side in px; 0 = prepare.image_size")
     ap.add_argument("--epochs", type=int, default=40)
     ap.add_argument("--ok-share", type=float, default=0.3, help="share of the OK tiles drawn each epoch")
@@ -225,8 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     info = read_summary(args.prepared)
     classes, ok_index = info["classes"], info["classes"].index(info["ok_class"])
     tile = args.tile or raw["prepare"]["image_size"]
-    if not args.whole.is_file():
-        raise SystemExit(f"--with {args.whole}: no such model; run `dvc repro train` first")
+    for path in args.whole:
+        if not path.is_file():
+            raise SystemExit(f"--with {path}: no such model; run `dvc repro train` first")
     if not any((args.raw / "masks").rglob("*.png")):
         raise SystemExit(f"{args.raw / 'masks'}: no defect masks; the tiles' training labels come from masks (a "
                          f"folder <source>_masks beside data.source, <class>/<stem>.png per defect image)")  # fmt: skip
@@ -253,13 +256,18 @@ def main(argv: list[str] | None = None) -> int:
     train(params, data, args.out / "model", args.out / "reports")
     fit = fit_check(args.out / "reports/history.csv", tr, ok_index, args.ok_share)
 
-    p_whole = score(args.whole, [splits["val"]["images"], splits["test"]["images"]], params.train.precision)
     p_tiles = score(args.out / "model/model.pt", [tiles["val"]["images"], tiles["test"]["images"]],
                     params.train.precision)  # fmt: skip
-    views = {"whole": p_whole}
-    views["tiles"] = [image_probs(p, tiles[s]["parent"], len(splits[s]["labels"]), ok_index)
-                      for p, s in zip(p_tiles, ("val", "test"), strict=True)]  # fmt: skip
-    views["fused"] = [(a + b) / 2 for a, b in zip(views["whole"], views["tiles"], strict=True)]
+    p_tiles = [image_probs(p, tiles[s]["parent"], len(splits[s]["labels"]), ok_index)
+               for p, s in zip(p_tiles, ("val", "test"), strict=True)]  # fmt: skip
+    views = {}
+    for i, path in enumerate(args.whole):  # whole, tiles, fused; then whole-2, fused-2, ...
+        suffix = f"-{i + 1}" if i else ""
+        views[f"whole{suffix}"] = score(path, [splits["val"]["images"], splits["test"]["images"]],
+                                        params.train.precision)  # fmt: skip
+        if not i:
+            views["tiles"] = p_tiles
+        views[f"fused{suffix}"] = [(a + b) / 2 for a, b in zip(views[f"whole{suffix}"], p_tiles, strict=True)]
     np.savez(
         args.out / "scores.npz",
         **{f"{v}_{s}": p for v, (pv, pt) in views.items() for s, p in (("val", pv), ("test", pt))},
@@ -274,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         metrics[view] = m
     (args.out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     far = f"{ev['max_false_alarm_rate']:.0%}"
-    lines = [f"| view ({tile} px tiles at 1:1, {metrics['tiles_per_image']:.1f} per image; whole: {args.whole}) | "
+    wholes = "; ".join(f"whole{f'-{i + 1}' if i else ''}: {path}" for i, path in enumerate(args.whole))
+    lines = [f"| view ({tile} px tiles at 1:1, {metrics['tiles_per_image']:.1f} per image; {wholes}) | "
              f"test recall at the val {far} cut (test false alarms) | test AUC | 6-class accuracy | "
              f"re-drawn splits: recall, within {far} |", "|---|---|---|---|---|"]  # fmt: skip
     for view in views:
@@ -299,7 +308,7 @@ def log_to_mlflow(mlflow_params: dict, args: argparse.Namespace, metrics: dict, 
     keys = ("defect_recall_at_far_threshold", "false_alarm_rate_at_far_threshold", "roc_auc", "accuracy")
     try:
         with tracking.open_run(MlflowConfig(**mlflow_params), run_name="tiles") as run:
-            run.log_params({"tile": metrics["tile"], "with": str(args.whole), "epochs": args.epochs,
+            run.log_params({"tile": metrics["tile"], "with": " ".join(map(str, args.whole)), "epochs": args.epochs,
                             "seed": metrics["seed"], "ok_share": args.ok_share,
                             "lr": args.lr, "min_mask_pixels": args.min_mask_pixels})  # fmt: skip
             run.log_metrics({f"{v}_{k}": float(metrics[v][k]) for v in views for k in keys})

@@ -275,8 +275,16 @@ def test_tiles_fuses_a_tile_model_with_the_pipelines_model_at_the_evaluate_stage
     assert m["lr"] == 0.0005 and run["params.lr"][0] == "0.0005"
 
     # Again, as after a kill: the same tiles are not written or trained again, and the figures come out the same.
+    # A second --with model (an ensemble's member; here any model.pt) gets its own views beside the same tiles.
     stamp = (out / "prepared/train.npz").stat().st_mtime_ns
-    again = tiles()
+    again = tiles("--with", "models/train/model.pt", "models/tiles/model/model.pt")
     assert again.returncode == 0 and "resuming from" in again.stderr, again.stderr[-2000:]
     assert (out / "prepared/train.npz").stat().st_mtime_ns == stamp
-    assert json.loads((out / "metrics.json").read_text()) == m
+    m2 = json.loads((out / "metrics.json").read_text())
+    assert {k: m2[k] for k in m} == m and set(m2) - set(m) == {"whole-2", "fused-2"}
+    s2 = np.load(out / "scores.npz")
+    assert np.allclose(s2["fused-2_test"], (s2["whole-2_test"] + s2["tiles_test"]) / 2)
+    assert not np.allclose(s2["whole-2_test"], s2["whole_test"])  # the other model's scores, not the first's
+    assert m2["fused-2"]["roc_auc"] == roc_auc(1 - s2["fused-2_test"][:, ok], y_test != ok)
+    report = (out / "report.md").read_text()
+    assert "whole-2: models/tiles/model/model.pt" in report and "| fused-2 | " in report
