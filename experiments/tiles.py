@@ -27,8 +27,9 @@ prepare stage's downscale of a 600 px photograph to 128 px leaves it under half 
   own two views, ``whole-2`` and ``fused-2``, then ``-3``..., against the same tile model.
 
 Writes ``report.md``, ``metrics.json``, ``scores.npz`` (every probability) and one evaluate folder per view
-(``whole/``, ``tiles/``, ``fused/``) to ``--out`` (default ``models/tiles``), the tile data, model and
-checkpoints under it (a killed run resumes), and logs a run ``tiles`` to the project's MLflow store.
+(``whole/``, ``tiles/``, ``fused/``, then ``whole-2/``, ``fused-2/``...) to ``--out`` (default
+``models/tiles``), the tile data, model and checkpoints under it (a killed run resumes), and logs a run
+``tiles`` to the project's MLflow store.
 Cost: one training on about 8x the pixels of the whole images (the magnetic tiles: 8.7 tiles per image;
 40 epochs with 30% of the OK tiles is 3.5x a 25-epoch whole-image training). A dataset without masks
 stops here with a message: the tiles' labels would have to be learned from the image's label.
