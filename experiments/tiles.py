@@ -257,13 +257,13 @@ def main(argv: list[str] | None = None) -> int:
     train(params, data, args.out / "model", args.out / "reports")
     fit = fit_check(args.out / "reports/history.csv", tr, ok_index, args.ok_share)
 
-    p_tiles = score(args.out / "model/model.pt", [tiles["val"]["images"], tiles["test"]["images"]],
-                    params.train.precision)  # fmt: skip
+    per_tile = score(args.out / "model/model.pt", [tiles["val"]["images"], tiles["test"]["images"]],
+                     params.train.precision)  # fmt: skip
     p_tiles = [image_probs(p, tiles[s]["parent"], len(splits[s]["labels"]), ok_index)
-               for p, s in zip(p_tiles, ("val", "test"), strict=True)]  # fmt: skip
+               for p, s in zip(per_tile, ("val", "test"), strict=True)]  # fmt: skip
+    suffixes = [f"-{i + 1}" if i else "" for i in range(len(args.whole))]  # whole, whole-2, ... per --with model
     views = {}
-    for i, path in enumerate(args.whole):  # whole, tiles, fused; then whole-2, fused-2, ...
-        suffix = f"-{i + 1}" if i else ""
+    for i, (path, suffix) in enumerate(zip(args.whole, suffixes, strict=True)):  # whole, tiles, fused, whole-2, ...
         views[f"whole{suffix}"] = score(path, [splits["val"]["images"], splits["test"]["images"]],
                                         params.train.precision)  # fmt: skip
         if not i:
@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         metrics[view] = m
     (args.out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     far = f"{ev['max_false_alarm_rate']:.0%}"
-    wholes = "; ".join(f"whole{f'-{i + 1}' if i else ''}: {path}" for i, path in enumerate(args.whole))
+    wholes = "; ".join(f"whole{suffix}: {path}" for suffix, path in zip(suffixes, args.whole, strict=True))
     lines = [f"| view ({tile} px tiles at 1:1, {metrics['tiles_per_image']:.1f} per image; {wholes}) | "
              f"test recall at the val {far} cut (test false alarms) | test AUC | 6-class accuracy | "
              f"re-drawn splits: recall, within {far} |", "|---|---|---|---|---|"]  # fmt: skip
