@@ -2,12 +2,18 @@
 real split, at the evaluate stage's own operating points.
 
     python experiments/tiles.py [--with models/train/model.pt [MODEL ...]] [--epochs 40] [--ok-share 0.3]
+                                [--scale 1]
 
 Run it in a project whose train stage has run on data with defect masks (``<source>_masks``, which the
 ingest stage copies to ``data/raw/masks``). Every image of the train, val and test splits is cut into
 square tiles of ``prepare.image_size`` (``--tile``) at 1:1, no downscale (tiles overlap just enough to
 cover the edges; a side shorter than a tile is padded), so a defect 2 px wide stays 2 px wide, where the
-prepare stage's downscale of a 600 px photograph to 128 px leaves it under half a pixel.
+prepare stage's downscale of a 600 px photograph to 128 px leaves it under half a pixel. ``--scale 0.5``
+first shrinks each photograph and its mask to half their sides (the prepare stage's bilinear resize; a mask
+cell stays marked where any defect pixel falls in it; ``--min-mask-pixels`` counts the resized pixels), so a
+2 px defect is still 1 px wide: fewer tiles (the magnetic tiles' test split: 3.1 per image instead of 8.2,
+an epoch 0.44x), but there it caught less on re-drawn splits than 1:1 at half the epochs for the same time
+(measured: docs/magnetic_tiles.md).
 
 - Training tiles are labeled by the masks: a defect of its image's class where the mask covers at least
   ``--min-mask-pixels`` of the tile, OK where it covers none (every tile of an OK image, the clean tiles of
@@ -30,7 +36,7 @@ Writes ``report.md``, ``metrics.json``, ``scores.npz`` (every probability) and o
 (``whole/``, ``tiles/``, ``fused/``, then ``whole-2/``, ``fused-2/``...) to ``--out`` (default
 ``models/tiles``), the tile data, model and checkpoints under it (a killed run resumes), and logs a run
 ``tiles`` to the project's MLflow store.
-Cost: one training on about 8x the pixels of the whole images (the magnetic tiles: 8.7 tiles per image;
+Cost: one training on about 8x the pixels of the whole images (the magnetic tiles: 8.6 tiles per train image;
 40 epochs with 30% of the OK tiles is 3.5x a 25-epoch whole-image training). A dataset without masks
 stops here with a message: the tiles' labels would have to be learned from the image's label.
 """
@@ -119,10 +125,32 @@ def read_mask(masks_dir: Path, rel_path: str) -> np.ndarray | None:
     return mask if mask.any() else None
 
 
+def rescale(image: np.ndarray, mask: np.ndarray | None, scale: float) -> tuple[np.ndarray, np.ndarray | None]:
+    """``image`` (H, W, C uint8) and its ``mask`` (H, W bool) resized by ``scale`` (sides rounded, at least
+    1 px): the image bilinear like the prepare stage's resize (``serving.preprocess.resize_image``), each
+    mask pixel marking the cell it falls in, so a 1 px defect is never thinned away (a resampling filter can
+    drop an edge row or column where a side is odd). ``scale`` 1 returns both as they are."""
+    if scale == 1:
+        return image, mask
+    from PIL import Image
+
+    h, w, c = image.shape
+    h2, w2 = max(1, round(h * scale)), max(1, round(w * scale))
+    pil = Image.fromarray(image[:, :, 0] if c == 1 else image)
+    small = np.asarray(pil.resize((w2, h2), Image.Resampling.BILINEAR), np.uint8).reshape(h2, w2, c)
+    if mask is None:
+        return small, None
+    ys, xs = np.nonzero(mask)
+    cells = np.zeros((h2, w2), bool)
+    cells[ys * h2 // h, xs * w2 // w] = True
+    return small, cells
+
+
 def tile_split(split: dict, images_dir: Path, masks_dir: Path, tile: int, channels: int, ok_index: int,
-               min_pixels: int) -> dict[str, np.ndarray]:  # fmt: skip
-    """Every tile of a split's images: images, labels (the mask's; -1 left out), parent (the image's index),
-    paths (``<path>#x,y``) and groups (the image's)."""
+               min_pixels: int, scale: float = 1.0) -> dict[str, np.ndarray]:  # fmt: skip
+    """Every tile of a split's images (each first resized by ``scale``): images, labels (the mask's; -1 left
+    out), parent (the image's index), paths (``<path>#x,y``, in the resized image's pixels) and groups (the
+    image's)."""
     out: dict[str, list] = {"images": [], "labels": [], "parent": [], "paths": [], "groups": []}
     for i, (rel, label, group) in enumerate(zip(split["paths"], split["labels"], split["groups"], strict=True)):
         rel = str(rel)
@@ -131,6 +159,7 @@ def tile_split(split: dict, images_dir: Path, masks_dir: Path, tile: int, channe
         if mask is not None and mask.shape != image.shape[:2]:
             raise SystemExit(f"{mask_path(masks_dir, rel)}: mask is {mask.shape[1]}x{mask.shape[0]} px, its image "
                              f"{image.shape[1]}x{image.shape[0]}; expected the same size")  # fmt: skip
+        image, mask = rescale(image, mask, scale)
         pieces = cut_tiles(image, tile)
         labels = tile_labels(mask, int(label), ok_index, [(x, y) for x, y, _ in pieces], tile, min_pixels)
         for (x, y, t), lab in zip(pieces, labels, strict=True):
@@ -209,10 +238,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--epochs", type=int, default=40)
     ap.add_argument("--ok-share", type=float, default=0.3, help="share of the OK tiles drawn each epoch")
     ap.add_argument("--lr", type=float, default=0.001, help="the tile model's peak train.lr (see the docstring)")
-    ap.add_argument("--min-mask-pixels", type=int, default=16)
+    ap.add_argument("--min-mask-pixels", type=int, default=16, help="in the (resized) tile's pixels")
+    ap.add_argument("--scale", type=float, default=1.0,
+                    help="resize each photograph and its mask by this factor before cutting them")  # fmt: skip
     ap.add_argument("--seed", type=int, default=None, help="the tile model's train.seed (default: the params')")
     ap.add_argument("--out", type=Path, default=Path("models/tiles"))
     args = ap.parse_args(argv)
+    if not 0 < args.scale <= 1:
+        ap.error(f"--scale {args.scale}: expected a factor in (0, 1]; 1 cuts the photographs at 1:1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s tiles %(levelname)s %(name)s: %(message)s")
     for noisy in ("alembic", "mlflow.store", "urllib3", "matplotlib", "PIL", "git"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -228,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     info = read_summary(args.prepared)
     classes, ok_index = info["classes"], info["classes"].index(info["ok_class"])
     tile = args.tile or raw["prepare"]["image_size"]
+    at = "1:1" if args.scale == 1 else f"scale {args.scale:g}"
     for path in args.whole:
         if not path.is_file():
             raise SystemExit(f"--with {path}: no such model; run `dvc repro train` first")
@@ -239,11 +273,11 @@ def main(argv: list[str] | None = None) -> int:
         with np.load(args.prepared / f"{name}.npz") as z:
             splits[name] = {k: z[k] for k in KEYS}
     tiles = {name: tile_split(d, args.raw / "images", args.raw / "masks", tile, raw["data"]["channels"], ok_index,
-                              args.min_mask_pixels) for name, d in splits.items()}  # fmt: skip
+                              args.min_mask_pixels, args.scale) for name, d in splits.items()}  # fmt: skip
     tr = tiles["train"]["labels"]
-    logging.info("%d px tiles at 1:1: train %d (%d defect, %d OK, %d left out), val %d, test %d", tile, len(tr),
-                 int(((tr >= 0) & (tr != ok_index)).sum()), int((tr == ok_index).sum()), int((tr < 0).sum()),
-                 len(tiles["val"]["labels"]), len(tiles["test"]["labels"]))  # fmt: skip
+    logging.info("%d px tiles at %s: train %d (%d defect, %d OK, %d left out), val %d, test %d", tile, at,
+                 len(tr), int(((tr >= 0) & (tr != ok_index)).sum()), int((tr == ok_index).sum()),
+                 int((tr < 0).sum()), len(tiles["val"]["labels"]), len(tiles["test"]["labels"]))  # fmt: skip
     if not ((tr >= 0) & (tr != ok_index)).any():
         raise SystemExit(f"{args.raw / 'masks'}: no training tile is covered by a defect mask "
                          f"(>= {args.min_mask_pixels} px); nothing to learn defects from")  # fmt: skip
@@ -253,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
                                  "train.seed": raw["train"]["seed"] if args.seed is None else args.seed},
                            "tiles")  # fmt: skip
     params = params_from_dict(recipe)
-    data = write_tile_data(args.out / "prepared", dict(info, image_size=tile), tiles["train"], tiles["val"])
+    scaled = {} if args.scale == 1 else {"tile_scale": args.scale}  # a 1:1 run of before --scale still resumes
+    data = write_tile_data(args.out / "prepared", dict(info, image_size=tile, **scaled), tiles["train"], tiles["val"])
     train(params, data, args.out / "model", args.out / "reports")
     fit = fit_check(args.out / "reports/history.csv", tr, ok_index, args.ok_share)
 
@@ -274,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         **{f"{v}_{s}": p for v, (pv, pt) in views.items() for s, p in (("val", pv), ("test", pt))},
     )
     ev = raw["evaluate"]
-    metrics = {"tile": tile, "tiles_per_image": len(tiles["test"]["labels"]) / len(splits["test"]["labels"]),
+    metrics = {"tile": tile, "scale": args.scale,
+               "tiles_per_image": len(tiles["test"]["labels"]) / len(splits["test"]["labels"]),
                "seed": params.train.seed, "lr": params.train.lr, **fit}  # fmt: skip
     for view, (pv, pt) in views.items():
         m = evaluate(pv, splits["val"]["labels"], pt, splits["test"]["labels"], classes, info["ok_class"],
@@ -284,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     far = f"{ev['max_false_alarm_rate']:.0%}"
     wholes = "; ".join(f"whole{suffix}: {path}" for suffix, path in zip(suffixes, args.whole, strict=True))
-    lines = [f"| view ({tile} px tiles at 1:1, {metrics['tiles_per_image']:.1f} per image; {wholes}) | "
+    lines = [f"| view ({tile} px tiles at {at}, {metrics['tiles_per_image']:.1f} per image; {wholes}) | "
              f"test recall at the val {far} cut (test false alarms) | test AUC | 6-class accuracy | "
              f"re-drawn splits: recall, within {far} |", "|---|---|---|---|---|"]  # fmt: skip
     for view in views:
@@ -309,8 +345,8 @@ def log_to_mlflow(mlflow_params: dict, args: argparse.Namespace, metrics: dict, 
     keys = ("defect_recall_at_far_threshold", "false_alarm_rate_at_far_threshold", "roc_auc", "accuracy")
     try:
         with tracking.open_run(MlflowConfig(**mlflow_params), run_name="tiles") as run:
-            run.log_params({"tile": metrics["tile"], "with": " ".join(map(str, args.whole)), "epochs": args.epochs,
-                            "seed": metrics["seed"], "ok_share": args.ok_share,
+            run.log_params({"tile": metrics["tile"], "scale": args.scale, "with": " ".join(map(str, args.whole)),
+                            "epochs": args.epochs, "seed": metrics["seed"], "ok_share": args.ok_share,
                             "lr": args.lr, "min_mask_pixels": args.min_mask_pixels})  # fmt: skip
             run.log_metrics({f"{v}_{k}": float(metrics[v][k]) for v in views for k in keys})
             run.log_metrics({k: float(metrics[k]) for k in ("tile_train_accuracy", "tile_val_auc", "tile_model_fit")})

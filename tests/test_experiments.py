@@ -219,6 +219,32 @@ def test_tiles_are_cut_at_full_resolution_and_labeled_by_the_defect_mask():
     assert tile_labels(None, 3, 0, positions, 128, 16) == [None] * 6  # a defect without a mask: not known where
     assert tile_labels(None, 0, 0, positions, 128, 16) == [0] * 6  # every tile of an OK image is OK
 
+    # --scale 0.5: the photograph at half its sides (bilinear, like the prepare stage), its 1-px crack kept in the mask
+    from PIL import Image
+
+    from experiments.tiles import rescale
+
+    crack = np.zeros((200, 300), bool)
+    crack[20:180, 101] = True
+    small, small_mask = rescale(image, crack, 0.5)
+    expected = np.asarray(Image.fromarray(image).resize((150, 100), Image.Resampling.BILINEAR))
+    assert small.shape == (100, 150, 3) and np.array_equal(small, expected)
+    assert small_mask.shape == (100, 150) and small_mask.sum() == 80 and small_mask[10:90, 50].all()
+    assert [(x, y) for x, y, _ in cut_tiles(small, 128)] == [(0, 0), (22, 0)]  # 2 tiles instead of 6
+    assert tile_labels(small_mask, 3, 0, [(0, 0), (22, 0)], 128, 16) == [3, 3]  # the crack at x 50: in both tiles
+    odd = np.zeros((199, 333), bool)  # odd sides (333 -> 166): PIL's box filter loses a crack in column 166
+    odd[100:120, 166] = True
+    odd[50:60, 332] = True
+    odd[198, 0] = True
+    _, odd_small = rescale(image[:199, :299].repeat(2, axis=1)[:, :333], odd, 0.5)
+    assert odd_small.shape == (100, 166) and odd_small[50:60, 82].all() and odd_small[25:30, 165].all()
+    assert odd_small[99, 0] and odd_small.sum() == 16  # every marked pixel in exactly its cell, nothing else
+    grey, none = rescale(image[:, :, :1], None, 0.5)
+    expected = np.asarray(Image.fromarray(image[:, :, 0]).resize((150, 100), Image.Resampling.BILINEAR))
+    assert grey.shape == (100, 150, 1) and np.array_equal(grey[:, :, 0], expected) and none is None
+    same, same_mask = rescale(image, crack, 1.0)
+    assert same is image and same_mask is crack
+
     probs = np.array([[0.9, 0.1, 0.0], [0.3, 0.2, 0.5], [0.95, 0.05, 0.0], [0.6, 0.4, 0.0]], np.float32)
     out = image_probs(probs, np.array([0, 0, 1, 1]), 2, ok_index=0)
     assert np.array_equal(out, probs[[1, 3]])  # each image: its most suspicious tile's probabilities
@@ -240,6 +266,8 @@ def test_tiles_fuses_a_tile_model_with_the_pipelines_model_at_the_evaluate_stage
     (tmp_path / "nomasks").mkdir()
     proc = tiles("--raw", "nomasks", "--out", "models/none")
     assert proc.returncode != 0 and "nomasks/masks: no defect masks" in proc.stderr, proc.stderr[-2000:]
+    proc = tiles("--scale", "2", "--out", "models/none")
+    assert proc.returncode != 0 and "--scale 2.0: expected a factor in (0, 1]" in proc.stderr, proc.stderr[-2000:]
 
     proc = tiles()
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -251,7 +279,7 @@ def test_tiles_fuses_a_tile_model_with_the_pipelines_model_at_the_evaluate_stage
         paths = [str(p) for p in z["paths"]]
     assert all("#" in p for p in paths) and {p.rsplit("#")[1] for p in paths} <= {"0,0", "32,0", "0,32", "32,32"}
     m = json.loads((out / "metrics.json").read_text())
-    assert m["tiles_per_image"] == 4.0  # 64 px images, 32 px tiles
+    assert m["tiles_per_image"] == 4.0 and m["scale"] == 1.0  # 64 px images, 32 px tiles at 1:1
     # Whether the tile model learned is said, not left to be guessed from the figures (one epoch rarely does).
     assert m["tile_model_fit"] == (m["tile_train_accuracy"] >= m["epoch_ok_share"] + 0.05)
     assert f"train accuracy {m['tile_train_accuracy']:.2f}" in (out / "report.md").read_text()
