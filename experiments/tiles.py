@@ -55,7 +55,7 @@ import numpy as np
 
 from pipeline.config import apply_changes, load_params, params_from_dict
 from pipeline.prepare import MASK_UNKNOWN, read_summary
-from serving.preprocess import decode_image
+from serving.preprocess import decode_image, resize_bilinear
 
 KEYS = ("images", "labels", "paths", "groups")
 
@@ -127,17 +127,14 @@ def read_mask(masks_dir: Path, rel_path: str) -> np.ndarray | None:
 
 def rescale(image: np.ndarray, mask: np.ndarray | None, scale: float) -> tuple[np.ndarray, np.ndarray | None]:
     """``image`` (H, W, C uint8) and its ``mask`` (H, W bool) resized by ``scale`` (sides rounded, at least
-    1 px): the image bilinear like the prepare stage's resize (``serving.preprocess.resize_image``), each
+    1 px): the image bilinear like the prepare stage's resize (``serving.preprocess.resize_bilinear``), each
     mask pixel marking the cell it falls in, so a 1 px defect is never thinned away (a resampling filter can
     drop an edge row or column where a side is odd). ``scale`` 1 returns both as they are."""
     if scale == 1:
         return image, mask
-    from PIL import Image
-
-    h, w, c = image.shape
+    h, w = image.shape[:2]
     h2, w2 = max(1, round(h * scale)), max(1, round(w * scale))
-    pil = Image.fromarray(image[:, :, 0] if c == 1 else image)
-    small = np.asarray(pil.resize((w2, h2), Image.Resampling.BILINEAR), np.uint8).reshape(h2, w2, c)
+    small = resize_bilinear(image, w2, h2)
     if mask is None:
         return small, None
     ys, xs = np.nonzero(mask)

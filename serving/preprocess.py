@@ -84,6 +84,14 @@ def decode_image(
     return arr.reshape(arr.shape[0], arr.shape[1], channels)
 
 
+def resize_bilinear(img: np.ndarray, width: int, height: int) -> np.ndarray:
+    """(H, W, C) uint8 resized to (height, width, C) uint8, bilinear (PIL; a downscale averages over the
+    source pixels it covers): the one resampling of the pipeline's images."""
+    c = img.shape[2]
+    pil = Image.fromarray(img[:, :, 0] if c == 1 else img)
+    return np.asarray(pil.resize((width, height), Image.Resampling.BILINEAR), dtype=np.uint8).reshape(height, width, c)
+
+
 def resize_image(img: np.ndarray, size: int, mode: str, fill: int | None = None) -> np.ndarray:
     """Resize (H, W, C) uint8 to (size, size, C) uint8.
 
@@ -95,13 +103,11 @@ def resize_image(img: np.ndarray, size: int, mode: str, fill: int | None = None)
     h, w, c = img.shape
     if mode not in ("letterbox", "squash"):
         raise ValueError(f"resize mode must be 'letterbox' or 'squash', got {mode!r}")
-    pil = Image.fromarray(img[:, :, 0] if c == 1 else img)
     if mode == "squash" or h == w:
-        out = np.asarray(pil.resize((size, size), Image.Resampling.BILINEAR), dtype=np.uint8)
-        return out.reshape(size, size, c)
+        return resize_bilinear(img, size, size)
     scale = size / max(h, w)
     nw, nh = max(1, round(w * scale)), max(1, round(h * scale))
-    small = np.asarray(pil.resize((nw, nh), Image.Resampling.BILINEAR), dtype=np.uint8).reshape(nh, nw, c)
+    small = resize_bilinear(img, nw, nh)
     pad = img.reshape(-1, c).mean(axis=0).round().astype(np.uint8) if fill is None else np.uint8(fill)
     out = np.empty((size, size, c), dtype=np.uint8)
     out[:] = pad
