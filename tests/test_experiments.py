@@ -15,7 +15,7 @@ import yaml
 from pipeline.config import params_from_dict
 from pipeline.metrics import roc_auc
 from pipeline.model import create_model
-from pipeline.train import read_history
+from pipeline.train import load_model, read_history
 from tests.conftest import ROOT, tiny_params, venv_env
 
 
@@ -301,6 +301,10 @@ def test_tiles_fuses_a_tile_model_with_the_pipelines_model_at_the_evaluate_stage
     # The tile model's own learning rate reached the trainer (the params' 0.003 is for whole images).
     assert read_history(out / "reports/history.csv")[0]["lr"] == pytest.approx(0.0005)
     assert m["lr"] == 0.0005 and run["params.lr"][0] == "0.0005"
+    # The tile model is --model's network (resnet10t by default), not the params' whole-image one.
+    assert m["model"] == "resnet10t" and run["params.model"][0] == "resnet10t" and m["epochs"] == 1
+    assert load_model(out / "model/model.pt")[1]["architecture"] == "resnet10t"
+    assert "The tile model (resnet10t, epochs: 1) at its last epoch" in (out / "report.md").read_text()
 
     # Again, as after a kill: the same tiles are not written or trained again, and the figures come out the same.
     # A second --with model (an ensemble's member; here any model.pt) gets its own views beside the same tiles.
