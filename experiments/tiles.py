@@ -20,11 +20,12 @@ an epoch 0.44x), but there it caught less on re-drawn splits than 1:1 at half th
   a defect image); tiles in between, and every tile of a defect image without a mask, are left out.
 - One model (the params' recipe, ``train.ensemble`` 1, with ``--model``'s network: resnet10t, which trains
   at 1.4x the default network's images/s, and on the magnetic tiles ranked the val tiles better in 28 epochs
-  than the default network did in 40; measured: docs/magnetic_tiles.md) learns them with the train stage's own code for
-  ``--epochs``, a fresh ``--ok-share`` of the OK tiles drawn each epoch (``train.majority_per_epoch``), at a
-  peak learning rate of ``--lr`` 0.001, a third of the whole images' 0.003: at 0.003 the magnetic tiles'
-  model called every tile OK for 20 epochs or more (one seed in three never left that plateau), at 0.001 it
-  left by epoch 9 and ranked the test images better (measured: docs/magnetic_tiles.md).
+  than the default network did in 40; measured: docs/magnetic_tiles.md) learns them with the train stage's
+  own code for ``--epochs``, a fresh ``--ok-share`` of the OK tiles drawn each epoch
+  (``train.majority_per_epoch``), at a peak learning rate of ``--lr`` 0.001, a third of the whole images'
+  0.003: at 0.003 the magnetic tiles' model called every tile OK for 20 epochs or more (one seed in three
+  never left that plateau), at 0.001 it left by epoch 9 and ranked the test images better (measured:
+  docs/magnetic_tiles.md).
 - An image's probabilities are those of its tile with the highest defect score.
 - Three views of the val and test splits go through the evaluate stage's own function (the cut flagging
   ``evaluate.max_false_alarm_rate`` of the val OK parts, judged on test; AUC; 6-class accuracy; the
@@ -40,8 +41,8 @@ Writes ``report.md``, ``metrics.json``, ``scores.npz`` (every probability) and o
 ``tiles`` to the project's MLflow store.
 Cost: one training on about 8x the pixels of the whole images (the magnetic tiles: 8.6 tiles per train image;
 28 resnet10t epochs with 30% of the OK tiles took 13 minutes on 2 CPU cores, 2.5x a 25-epoch whole-image
-training). A dataset without masks
-stops here with a message: the tiles' labels would have to be learned from the image's label.
+training). A dataset without masks stops here with a message: the tiles' labels would have to be learned
+from the image's label.
 """
 
 from __future__ import annotations
