@@ -44,7 +44,9 @@ from pipeline.bench import (  # noqa: E402
     end_to_end,
     http_vs_in_process,
     interleaved,
+    photographs,
     timed_for,
+    torch_scorer,
     variant_files,
 )  # noqa: E402
 from serving.runner import Runner  # noqa: E402
@@ -89,37 +91,33 @@ def runners() -> dict[str, Runner]:
 def inference(quick: bool) -> dict:
     import torch
 
-    from pipeline.train import load_model
+    from pipeline.train import load_model, load_tile_model
 
     x, files = test_images(64 if quick else 256)
     rs = runners()
     net, _ = load_model(PROJECT / "models/train/model.pt")
-
-    def eager_fn(model):
-        def run(b):
-            with torch.inference_mode():
-                return model(torch.from_numpy(b)).softmax(1)
-
-        return run
-
+    card = rs["fp32"].card
+    tiles = load_tile_model(PROJECT / "models/train/model.pt")
+    if card.tiles:  # the runner takes photographs at full resolution: both sides get them (pipeline.bench)
+        x = photographs(rs["fp32"], files)
     contenders = {f"runner {v}": (lambda b, r=r: r.predict(b)) for v, r in rs.items()}
-    contenders["torch eager"] = eager_fn(net)
+    contenders["torch eager"] = torch_scorer(net, tiles and tiles[0], card)
     compile_note = "skipped (--no-compile)"
     try:
         if not COMPILE:
             raise LookupError  # inductor on the CPU needs a C++ compiler; where it cannot build, say so and go on
-        compiled = torch.compile(net)
+        compiled = torch_scorer(torch.compile(net), tiles and torch.compile(tiles[0]), card)
         t0 = time.perf_counter()
         for bs in (1, 8, 32):
-            eager_fn(compiled)(batches(x, bs))
+            compiled(batches(x, bs))
         compile_note = f"compiled in {time.perf_counter() - t0:.0f} s"
-        contenders["torch.compile"] = eager_fn(compiled)
+        contenders["torch.compile"] = compiled
     except LookupError:
         pass
     except Exception as exc:  # noqa: BLE001
         compile_note = f"torch.compile failed here: {type(exc).__name__}: {str(exc)[:200]}"
     print(f"inference: {compile_note}")
-    report: dict = {"compile": compile_note, "variants": list(rs)}
+    report: dict = {"compile": compile_note, "variants": list(rs), "photographs_with_tiles": card.tiles is not None}
     repeats = 10 if quick else 30
     for bs in (1, 8, 32):
         batch = batches(x, bs)
@@ -178,7 +176,10 @@ def size_sweep(quick: bool) -> dict:
 
 def serving(quick: bool) -> dict:
     x, files = test_images(64)
-    recommended = Runner(EXPORT / "model.onnx", providers="cpu", force=True).card.recommended.get("cpu", "fp32")
+    fp32 = Runner(EXPORT / "model.onnx", providers="cpu", force=True)
+    if fp32.card.tiles:  # tensors of photographs at full resolution, as the server takes them with tiles
+        x = photographs(fp32, files)
+    recommended = fp32.card.recommended.get("cpu", "fp32")
     model = EXPORT / ("model.onnx" if recommended == "fp32" else f"model.{recommended}.onnx")
     report = {"variant": recommended}
     for c in (1, 8, 32):

@@ -48,85 +48,18 @@ from the image's label.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
-import math
 import sys
 from pathlib import Path
 
 import numpy as np
 
 from pipeline.config import apply_changes, load_params, params_from_dict
-from pipeline.prepare import MASK_UNKNOWN, read_summary
-from serving.preprocess import decode_image, resize_bilinear
-
-KEYS = ("images", "labels", "paths", "groups")
-
-
-def spans(length: int, tile: int) -> list[int]:
-    """Start offsets of tiles of side ``tile`` covering ``length`` pixels: evenly spread, the first at 0 and
-    the last flush with the end (neighbours overlap by what the cover needs); [0] for a shorter side."""
-    if length <= tile:
-        return [0]
-    k = math.ceil(length / tile)
-    return [round(i * (length - tile) / (k - 1)) for i in range(k)]
-
-
-def cut_tiles(image: np.ndarray, tile: int) -> list[tuple[int, int, np.ndarray]]:
-    """(x, y, tile image) for every tile of an (H, W, C) image, each (tile, tile, C) uint8 at 1:1; a side
-    shorter than ``tile`` is padded (``pad_to``)."""
-    h, w = image.shape[:2]
-    out = []
-    for y in spans(h, tile):
-        for x in spans(w, tile):
-            out.append((x, y, pad_to(image[y : y + tile, x : x + tile], tile)))
-    return out
-
-
-def pad_to(crop: np.ndarray, tile: int) -> np.ndarray:
-    """``crop`` centred on a ``tile`` square filled with its mean colour (the prepare stage's letterbox
-    padding), never scaled."""
-    h, w, c = crop.shape
-    if (h, w) == (tile, tile):
-        return crop
-    out = np.empty((tile, tile, c), np.uint8)
-    out[:] = crop.reshape(-1, c).mean(axis=0).round().astype(np.uint8)
-    top, left = (tile - h) // 2, (tile - w) // 2
-    out[top : top + h, left : left + w] = crop
-    return out
-
-
-def tile_labels(mask: np.ndarray | None, label: int, ok_index: int, positions: list[tuple[int, int]], tile: int,
-                min_pixels: int) -> list[int | None]:  # fmt: skip
-    """The training label of each tile at ``positions``: ``label`` where ``mask`` (H, W bool) covers at least
-    ``min_pixels`` of it, ``ok_index`` where it covers none, None (left out) in between; an OK image's tiles
-    are all OK, a defect image without a mask has every tile left out (where its defect is, is not known)."""
-    if label == ok_index:
-        return [ok_index] * len(positions)
-    if mask is None:
-        return [None] * len(positions)
-    covered = [int(mask[y : y + tile, x : x + tile].sum()) for x, y in positions]
-    return [label if a >= min_pixels else ok_index if a == 0 else None for a in covered]
-
-
-def mask_path(masks_dir: Path, rel_path: str) -> Path:
-    return masks_dir / Path(rel_path).parent / f"{Path(rel_path).stem}.png"
-
-
-def read_mask(masks_dir: Path, rel_path: str) -> np.ndarray | None:
-    """The full-resolution defect mask of image ``rel_path`` (``<class>/<stem>.png``), True where the defect
-    is: any pixel above 0, so the anti-aliased rim of a drawn defect counts (on the magnetic tiles 2.4% more
-    pixels than the prepare stage's > 127; the figures in the README were measured so); None where there is
-    no such file or it marks nothing."""
-    from PIL import Image
-
-    path = mask_path(masks_dir, rel_path)
-    if not path.is_file():
-        return None
-    with Image.open(path) as m:
-        mask = np.asarray(m.convert("L")) > 0
-    return mask if mask.any() else None
+from pipeline.prepare import read_summary
+from pipeline.tiles import KEYS, fit_check, tile_split, write_tile_data
+from serving.preprocess import resize_bilinear
+from serving.tiles import image_probs
 
 
 def rescale(image: np.ndarray, mask: np.ndarray | None, scale: float) -> tuple[np.ndarray, np.ndarray | None]:
@@ -145,87 +78,6 @@ def rescale(image: np.ndarray, mask: np.ndarray | None, scale: float) -> tuple[n
     cells = np.zeros((h2, w2), bool)
     cells[ys * h2 // h, xs * w2 // w] = True
     return small, cells
-
-
-def tile_split(split: dict, images_dir: Path, masks_dir: Path, tile: int, channels: int, ok_index: int,
-               min_pixels: int, scale: float = 1.0) -> dict[str, np.ndarray]:  # fmt: skip
-    """Every tile of a split's images (each first resized by ``scale``): images, labels (the mask's; -1 left
-    out), parent (the image's index), paths (``<path>#x,y``, in the resized image's pixels) and groups (the
-    image's)."""
-    out: dict[str, list] = {"images": [], "labels": [], "parent": [], "paths": [], "groups": []}
-    for i, (rel, label, group) in enumerate(zip(split["paths"], split["labels"], split["groups"], strict=True)):
-        rel = str(rel)
-        image = decode_image(images_dir / rel, channels)
-        mask = read_mask(masks_dir, rel) if label != ok_index else None
-        if mask is not None and mask.shape != image.shape[:2]:
-            raise SystemExit(f"{mask_path(masks_dir, rel)}: mask is {mask.shape[1]}x{mask.shape[0]} px, its image "
-                             f"{image.shape[1]}x{image.shape[0]}; expected the same size")  # fmt: skip
-        image, mask = rescale(image, mask, scale)
-        pieces = cut_tiles(image, tile)
-        labels = tile_labels(mask, int(label), ok_index, [(x, y) for x, y, _ in pieces], tile, min_pixels)
-        for (x, y, t), lab in zip(pieces, labels, strict=True):
-            out["images"].append(t)
-            out["labels"].append(-1 if lab is None else lab)
-            out["parent"].append(i)
-            out["paths"].append(f"{rel}#{x},{y}")
-            out["groups"].append(group)
-    return {k: np.array(v) for k, v in out.items()}
-
-
-def image_probs(tile_probs: np.ndarray, parent: np.ndarray, n: int, ok_index: int) -> np.ndarray:
-    """(n, K): each image's probabilities are those of its tile with the highest defect score (1 - p(ok))."""
-    out = np.zeros((n, tile_probs.shape[1]), np.float32)
-    best = np.full(n, -1.0)
-    for i, (p, j) in enumerate(zip(tile_probs, parent, strict=True)):
-        if 1 - p[ok_index] > best[j]:
-            best[j], out[j] = 1 - p[ok_index], tile_probs[i]
-    if (best < 0).any():
-        raise ValueError(f"{int((best < 0).sum())} images have no tile")
-    return out
-
-
-def fit_check(history: Path, train_labels: np.ndarray, ok_index: int, ok_share: float) -> dict:
-    """Did the tile model learn? Its last epoch's train accuracy against the share of OK tiles in an epoch
-    (a model that calls every tile OK scores that share). From scratch, a few hundred defect tiles among
-    thousands of clean ones sometimes never leave that plateau (measured: README); the run then says so."""
-    from pipeline.train import read_history
-
-    last = read_history(history)[-1]
-    n_ok = int((train_labels == ok_index).sum())
-    n_defect = int(((train_labels >= 0) & (train_labels != ok_index)).sum())
-    share = ok_share * n_ok / (ok_share * n_ok + n_defect)
-    fit = {"tile_train_accuracy": last["train_acc"], "tile_val_auc": last.get("val_auc", float("nan")),
-           "epoch_ok_share": share, "tile_model_fit": bool(last["train_acc"] >= share + 0.05)}  # fmt: skip
-    if not fit["tile_model_fit"]:
-        logging.warning("the tile model did not fit: train accuracy %.2f at the last epoch, where calling every "
-                        "tile OK scores %.2f; its figures below are a failed training's (try a lower --lr or "
-                        "another --seed)", last["train_acc"], share)  # fmt: skip
-    return fit
-
-
-def write_tile_data(dest: Path, info: dict, train_tiles: dict, val_tiles: dict) -> Path:
-    """A prepared folder the train stage reads: the labeled training tiles and the labeled val tiles (the
-    training's val figures are then by tile). Written once for the same tiles and labels: its bytes are the
-    training's fingerprint, so a killed run resumes instead of starting over; other tiles (another --tile,
-    --min-mask-pixels or split) are written anew and trained anew."""
-    marker = dest / "tiles.sha256"
-    digest = hashlib.sha256(json.dumps(info, sort_keys=True).encode())  # tile size and channels among it
-    for d in (train_tiles, val_tiles):
-        digest.update("\n".join(f"{p} {y}" for p, y in zip(d["paths"], d["labels"], strict=True)).encode())
-        digest.update(np.ascontiguousarray(d["images"]).data)  # the pixels: other images at the same paths
-    if marker.is_file() and marker.read_text() == digest.hexdigest():
-        return dest
-    dest.mkdir(parents=True, exist_ok=True)
-    info = dict(info, splits={})
-    for name, d in (("train", train_tiles), ("val", val_tiles)):  # the train stage reads no test split
-        keep = d["labels"] >= 0
-        arrays = {k: d[k][keep] for k in KEYS}
-        arrays["masks"] = np.full((int(keep.sum()), 1, 1), MASK_UNKNOWN, np.uint8)  # no mask head for tiles
-        np.savez(dest / f"{name}.npz", **arrays)
-        info["splits"][name] = {c: int((arrays["labels"] == i).sum()) for i, c in enumerate(info["classes"])}
-    (dest / "prepare.json").write_text(json.dumps(info, indent=2) + "\n")
-    marker.write_text(digest.hexdigest())
-    return dest
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -274,8 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("train", "val", "test"):
         with np.load(args.prepared / f"{name}.npz") as z:
             splits[name] = {k: z[k] for k in KEYS}
+
+    def scaled(image, mask):
+        return rescale(image, mask, args.scale)
+
     tiles = {name: tile_split(d, args.raw / "images", args.raw / "masks", tile, raw["data"]["channels"], ok_index,
-                              args.min_mask_pixels, args.scale) for name, d in splits.items()}  # fmt: skip
+                              args.min_mask_pixels, scaled, f"tiles {name}") for name, d in splits.items()}  # fmt: skip
     tr = tiles["train"]["labels"]
     logging.info("%d px tiles at %s: train %d (%d defect, %d OK, %d left out), val %d, test %d", tile, at,
                  len(tr), int(((tr >= 0) & (tr != ok_index)).sum()), int((tr == ok_index).sum()),

@@ -64,6 +64,38 @@ def batches(images: np.ndarray, batch_size: int) -> np.ndarray:
     return np.ascontiguousarray(images[idx])
 
 
+def photographs(runner: Runner, files: list[Path]) -> np.ndarray:
+    """The files as a runner with tiles takes them (full resolution), stacked: the largest group of one size,
+    since a batch holds photographs of one size."""
+    groups: dict[tuple[int, ...], list[np.ndarray]] = {}
+    for f in files:
+        img = runner.load(f)
+        groups.setdefault(img.shape, []).append(img)
+    return np.stack(max(groups.values(), key=len))
+
+
+def torch_scorer(net, tile_net, card) -> Callable[[np.ndarray], np.ndarray]:
+    """PyTorch eager scoring what the runner with ``card`` scores: (N, S, S, C) model inputs, or with tiles
+    (N, H, W, C) photographs (the whole view resized and the 1:1 tiles, fused), so timings compare like
+    with like. ``net``/``tile_net``: the trained networks (or their ``torch.compile``d forms)."""
+    import torch
+
+    from serving.preprocess import resize_image
+    from serving.tiles import fuse, image_probs, tile_batch
+
+    def score(batch: np.ndarray) -> np.ndarray:
+        with torch.inference_mode():
+            if not card.tiles:
+                return net(torch.from_numpy(batch)).softmax(1).numpy()
+            whole = np.stack([resize_image(p, card.input.size, card.input.resize) for p in batch])
+            tiles, parent = tile_batch(batch, card.tiles.size)
+            whole_probs = net(torch.from_numpy(whole)).softmax(1).numpy()
+            tile_probs = tile_net(torch.from_numpy(tiles)).softmax(1).numpy()
+            return fuse(whole_probs, image_probs(tile_probs, parent, len(batch), card.ok_index), card.tiles.weight)
+
+    return score
+
+
 def variant_files(export_dir: Path) -> dict[str, Path]:
     """The exported variants present: {"fp32": model.onnx, "fp16": model.fp16.onnx, "int8": ...}."""
     files = {"fp32": export_dir / "model.onnx"}

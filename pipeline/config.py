@@ -122,6 +122,15 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class TilesConfig:
+    use: Literal["auto", "off"]  # auto: a tile model where the data has defect masks; off: whole images only
+    weight: float  # share of the image's most suspicious tile in the fused probabilities
+    keep_members: list[int]  # the train.ensemble members trained beside the tile model (the others are not)
+    min_mask_pixels: int  # a training tile is a defect where its mask covers this many pixels (OK: none)
+    recipe: dict[str, Any]  # the tile model's param changes (model.*, train.* keys), like a member's
+
+
+@dataclass(frozen=True)
 class EvaluateConfig:
     target_defect_recall: float  # the threshold is chosen on the val split to reach this recall
     max_false_alarm_rate: float  # also reported: test recall at the val threshold that keeps this FAR
@@ -191,6 +200,7 @@ class Params:
     augment: AugmentConfig
     model: ModelConfig
     train: TrainConfig
+    tiles: TilesConfig
     evaluate: EvaluateConfig
     export: ExportConfig
     benchmark: BenchmarkConfig
@@ -274,15 +284,18 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     return cls(**kwargs)
 
 
-def params_from_dict(raw: dict, source_file: str = "params.yaml") -> Params:
+def params_from_dict(raw: dict, source_file: str = "params.yaml", derived: bool = True) -> Params:
+    """``derived``: also check the params each ensemble member and the tile model train with."""
     try:
         params = _build(Params, raw, "")
     except ConfigError as exc:
         raise ConfigError(f"{source_file}: {exc}") from None
     params = dataclasses.replace(params, source_file=source_file)
     _check_values(params)
-    for k in range(len(params.train.ensemble_members)):  # each member's params are checked now, not hours later
-        member_params(params, k)
+    if derived:  # each member's and the tile model's params are checked now, not hours later
+        for k in range(len(params.train.ensemble_members)):
+            member_params(params, k)
+        tile_params(params)
     return params
 
 
@@ -317,6 +330,18 @@ def _check_values(p: Params) -> None:
                     "model.* and train.* "
                     f"keys other than {', '.join(MEMBER_FIXED)} (the data and the export are the ensemble's)"
                 )
+    tl = p.tiles
+    if not 0 < tl.weight <= 1:
+        problems.append(f"tiles.weight: a share in (0, 1], got {tl.weight}")
+    if not tl.keep_members or any(not 0 <= k < t.ensemble for k in tl.keep_members):
+        problems.append(f"tiles.keep_members: indices of train.ensemble's members (0..{t.ensemble - 1}), at least "
+                        f"one; got {tl.keep_members}")  # fmt: skip
+    if tl.min_mask_pixels < 1:
+        problems.append(f"tiles.min_mask_pixels: at least 1, got {tl.min_mask_pixels}")
+    for key in tl.recipe:
+        if not key.startswith(("train.", "model.")) or key in MEMBER_FIXED:
+            problems.append(f"tiles.recipe: {key}: the tile model may change model.* and train.* keys other than "
+                            f"{', '.join(MEMBER_FIXED)}")  # fmt: skip
     if t.processes > 1 and t.distributed == "none":
         problems.append("train.processes: more than 1 process needs train.distributed: ddp or fsdp")
     if t.monitor == "last" and t.early_stopping_patience:
@@ -384,9 +409,22 @@ def member_params(p: Params, k: int) -> Params:
         "train.seed": t.seed + k,
         "train.ensemble": 1,
         "train.ensemble_members": [],
+        "tiles.keep_members": [0],  # of its one model
     }
     where = f"{p.source_file}: train.ensemble_members[{k}]"
     return params_from_dict(apply_changes(raw, changes, where), source_file=where)
+
+
+def tile_params(p: Params) -> Params:
+    """The params the tile model trains with: ``tiles.recipe`` applied, one model, no mask head (a tile's
+    label is its mask's already), from scratch unless the recipe says ``train.init_from`` (the whole-image
+    champion's weights are another network's), checked like params.yaml (a bad value names ``tiles.recipe``)."""
+    raw = dataclasses.asdict(p)
+    raw.pop("source_file")
+    changes = {"train.init_from": "none", **p.tiles.recipe, "train.ensemble": 1, "train.ensemble_members": [],
+               "train.mask_loss": 0.0, "tiles.keep_members": [0]}  # fmt: skip
+    where = f"{p.source_file}: tiles.recipe"
+    return params_from_dict(apply_changes(raw, changes, where), source_file=where, derived=False)
 
 
 def load_params(path: str | Path = "params.yaml") -> Params:

@@ -1,8 +1,9 @@
 """Promote: register the exported model and move the alias ``champion`` only to a better model.
 
-1. The variant that export recommends for ``promote.provider`` (with its card) is logged to the
-   model's training run under ``registry/<variant>/`` and registered as a new version of
-   ``promote.model_name``; the same file registered again (DVC re-running the stage) reuses its version.
+1. The variant that export recommends for ``promote.provider`` (with its card, and its tile graph when
+   the card has tiles) is logged to the model's training run under ``registry/<variant>/`` and registered
+   as a new version of ``promote.model_name``; the same files registered again (DVC re-running the stage)
+   reuse their version.
 2. That version gets the alias ``challenger``.
 3. With no champion yet, it becomes the champion. Otherwise both are scored on the *current* test
    split, end to end from the image files through the edge runner, each with its own preprocessing and
@@ -86,27 +87,29 @@ def register(client: MlflowClient, run: tracking.Run, name: str, model_path: Pat
         client.get_registered_model(name)
     except MlflowException:
         client.create_registered_model(name, description="Defect detection: exported ONNX model + card (runner)")
+    tiles_sha256 = card.tiles.sha256 if card.tiles else ""
     for mv in client.search_model_versions(f"name='{name}'"):
-        if mv.tags.get("sha256") == card.sha256:
+        if mv.tags.get("sha256") == card.sha256 and mv.tags.get("tiles_sha256", "") == tiles_sha256:
             log.info("promote: %s is already version %s of %s", model_path.name, mv.version, name)
             return str(mv.version)
     folder = f"registry/{card.variant}"
     run.log_artifacts(model_path, folder)
+    if card.tiles:  # the tile graph beside the whole one, where the runner looks for it
+        run.log_artifacts(model_path.parent / card.tiles.model, folder)
     run.log_artifacts(card_path_for(model_path), folder)
     source = f"{client.get_run(run.run_id).info.artifact_uri}/{folder}"
-    mv = client.create_model_version(
-        name,
-        source,
-        run_id=run.run_id,
-        tags={
-            "variant": card.variant,
-            "sha256": card.sha256,
-            "architecture": card.architecture,
-            "data_fingerprint": card.data_fingerprint,
-            "threshold": str(card.threshold),
-        },
-        description=f"{card.architecture} {card.variant}, {card.input.size} px, classes {card.classes}",
-    )
+    tags = {
+        "variant": card.variant,
+        "sha256": card.sha256,
+        "architecture": card.architecture,
+        "data_fingerprint": card.data_fingerprint,
+        "threshold": str(card.threshold),
+    }
+    description = f"{card.architecture} {card.variant}, {card.input.size} px, classes {card.classes}"
+    if card.tiles:
+        tags |= {"tiles_sha256": tiles_sha256, "tiles_architecture": card.tiles.architecture}
+        description += f", with {card.tiles.architecture} tiles of {card.tiles.size} px"
+    mv = client.create_model_version(name, source, run_id=run.run_id, tags=tags, description=description)
     return str(mv.version)
 
 

@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader
 
 from pipeline import checkpoint, distributed, tracking
 from pipeline.augment import ImageDataset, build_policy, resolve_policy
-from pipeline.config import ConfigError, Params, as_flat_dict, member_params
+from pipeline.config import ConfigError, Params, as_flat_dict, member_params, tile_params
 from pipeline.distributed import Dist, unwrap
 from pipeline.loop import (
     EMA,
@@ -201,9 +201,11 @@ def full_model_state(model: nn.Module, d: Dist) -> dict[str, torch.Tensor]:
 MODEL_META = ("architecture", "global_pool", "input_norm")  # what it takes to rebuild a member's network
 
 
-def save_model(state: dict[str, torch.Tensor], meta: dict, path: Path) -> None:
-    """The consolidated model that evaluate and export read: weights plus what it takes to rebuild it."""
-    checkpoint.save_atomic({"version": checkpoint.CHECKPOINT_VERSION, "model": state, "meta": meta}, path)
+def save_model(state: dict[str, torch.Tensor], meta: dict, path: Path, tiles: dict | None = None) -> None:
+    """The consolidated model that evaluate and export read: weights plus what it takes to rebuild it;
+    ``tiles``: the tile model's ``{"model": weights, "meta": ...}``, kept beside it."""
+    ckpt = {"version": checkpoint.CHECKPOINT_VERSION, "model": state, "meta": meta}
+    checkpoint.save_atomic(ckpt | ({"tiles": tiles} if tiles else {}), path)
 
 
 def load_model(path: Path) -> tuple[DefectNet | Ensemble, dict]:
@@ -226,11 +228,28 @@ def load_model(path: Path) -> tuple[DefectNet | Ensemble, dict]:
         return create_model(cfg, len(meta["classes"]), meta["channels"])
 
     members = meta.get("members", 1)
-    if members == 1:
+    if members == 1 and "member_models" not in meta:
         net: nn.Module = build(meta)
     else:  # each member its own network (train.ensemble_members may change model.*); older files: all alike
         net = Ensemble([build(spec) for spec in meta.get("member_models", [meta] * members)])
     net.load_state_dict(ckpt["model"])
+    return net.eval(), meta
+
+
+def load_tile_model(path: Path) -> tuple[DefectNet, dict] | None:
+    """The tile model packed beside the whole-image model in ``path`` (``train`` with tiles) and its meta
+    (``weight``, ``tile``: the input side), or None where the model has no tiles."""
+    from pipeline.config import ModelConfig
+
+    ckpt = checkpoint.load(path)
+    if ckpt is None:
+        raise FileNotFoundError(f"{path}: no readable trained model (run the train stage)")
+    if "tiles" not in ckpt:
+        return None
+    meta = ckpt["tiles"]["meta"]
+    cfg = ModelConfig(meta["architecture"], "false", 0.0, meta["global_pool"], meta["input_norm"])
+    net = create_model(cfg, len(meta["classes"]), meta["channels"])
+    net.load_state_dict(ckpt["tiles"]["model"])
     return net.eval(), meta
 
 
@@ -309,6 +328,9 @@ def train(
     if not d.is_main:
         logging.getLogger().setLevel(logging.WARNING)
     try:
+        if (prepared_dir / "tiles/prepare.json").is_file():  # the prepare stage cut tiles: a tile model too
+            keep = params.tiles.keep_members
+            return _train_ensemble(params, prepared_dir, out_dir, reports_dir, data_reports, rt, d, keep, True)
         if cfg.ensemble == 1:
             return _train(params, prepared_dir, out_dir, reports_dir, data_reports, rt, d)
         return _train_ensemble(params, prepared_dir, out_dir, reports_dir, data_reports, rt, d)
@@ -324,15 +346,20 @@ def _train_ensemble(
     data_reports: Path | None,
     rt: Runtime,
     d: Dist,
+    keep: list[int] | None = None,
+    with_tiles: bool = False,
 ) -> dict | None:
-    """``train.ensemble`` members one after the other, each a whole training run of its own (seed
-    ``train.seed + k``; checkpoints, model, curves and MLflow run under ``checkpoints/member-k``), so a
-    killed run resumes inside the member it was in and finished members are not trained again. Then
-    ``model.pt`` holds them all (an ``Ensemble``), and ``run.json`` names the ensemble's MLflow run, into
+    """``train.ensemble`` members (those in ``keep``, default all) one after the other, each a whole training
+    run of its own (seed ``train.seed + k``; checkpoints, model, curves and MLflow run under
+    ``checkpoints/member-k``), so a killed run resumes inside the member it was in and finished members are
+    not trained again. ``with_tiles``: then the tile model, the same way under ``checkpoints/tiles``, on
+    ``prepared_dir/tiles`` (``tiles.recipe``). Then ``model.pt`` holds them all (an ``Ensemble``; the tile
+    model beside it, read by ``load_tile_model``), and ``run.json`` names the ensemble's MLflow run, into
     which the later stages log as they do for a single model."""
     cfg = params.train
+    ks = list(range(cfg.ensemble)) if keep is None else keep
     members = []
-    for k in range(cfg.ensemble):
+    for k in ks:
         member = member_params(params, k)
         where = out_dir / "checkpoints" / f"member-{k}"
         changes = cfg.ensemble_members[k] if cfg.ensemble_members else {}
@@ -344,6 +371,12 @@ def _train_ensemble(
             "".join(f", {key} changed" for key in changes),
         )
         members.append((where, _train(member, prepared_dir, where, where / "reports", data_reports, rt, d)))
+    tiles = None
+    if with_tiles:
+        where = out_dir / "checkpoints" / "tiles"
+        log.info("the tile model (tiles.recipe: %s)", ", ".join(f"{k} {v}" for k, v in params.tiles.recipe.items()))
+        tiles = (where, _train(tile_params(params), prepared_dir / "tiles", where, where / "reports", data_reports,
+                               rt, d))  # fmt: skip
     if not d.is_main:
         return None
     states, metas = [], []
@@ -353,7 +386,18 @@ def _train_ensemble(
             raise FileNotFoundError(f"{where / 'model.pt'}: an ensemble member's model is unreadable; delete {where}")
         states.append(ckpt["model"])
         metas.append(ckpt["meta"])
-    fp = hashlib.sha256("".join(m["fingerprint"] for m in metas).encode()).hexdigest()
+    packed_tiles = None
+    if tiles:
+        ckpt = checkpoint.load(tiles[0] / "model.pt")
+        if ckpt is None:
+            raise FileNotFoundError(f"{tiles[0] / 'model.pt'}: the tile model is unreadable; delete {tiles[0]}")
+        tile_info = read_summary(prepared_dir / "tiles")
+        packed_tiles = {"model": ckpt["model"], "meta": {**ckpt["meta"], "weight": params.tiles.weight,
+                                                        "tile": tile_info["image_size"]}}  # fmt: skip
+    fp = hashlib.sha256("".join(m["fingerprint"] for m in metas).encode())
+    if packed_tiles:
+        fp.update(f"tiles {packed_tiles['meta']['fingerprint']} {params.tiles.weight}".encode())
+    fp = fp.hexdigest()
     models = [{key: m[key] for key in MODEL_META} for m in metas]
     names = [m["architecture"] for m in metas]
     meta = {
@@ -363,13 +407,13 @@ def _train_ensemble(
         "member_models": models,
         "fingerprint": fp,
         "members": len(metas),
-        "member_seeds": [cfg.seed + k for k in range(len(metas))],
-        "member_changes": list(cfg.ensemble_members),
+        "member_seeds": [cfg.seed + k for k in ks],
+        "member_changes": [cfg.ensemble_members[k] for k in ks] if cfg.ensemble_members else [],
         "member_epochs": [m["epoch"] for m in metas],
     }
     state = {f"members.{k}.{name}": v for k, s in enumerate(states) for name, v in s.items()}
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_model(state, meta, out_dir / "model.pt")
+    save_model(state, meta, out_dir / "model.pt", packed_tiles)
     net, _ = load_model(out_dir / "model.pt")
     net = net.to(rt.device)  # load_model builds on the CPU; the val arrays go to rt.device (a GPU: found on an H200)
     info = read_summary(prepared_dir)
@@ -394,13 +438,25 @@ def _train_ensemble(
         "precision": rt.precision,
         "members": [s for _, s in members],
     }
+    if tiles:  # the tile model's own val figures are by tile; the fused ones come from the evaluate stage
+        from pipeline.tiles import fit_check
+
+        with np.load(prepared_dir / "tiles/train.npz") as z:
+            labels = z["labels"]
+        tp = tile_params(params)
+        fit = fit_check(tiles[0] / "reports/history.csv", labels, ok_index, tp.train.majority_per_epoch)
+        summary["tiles"] = {**tiles[1], **fit, "architecture": tp.model.name}
+        summary |= {"tiles_train_img_s": float(tiles[1]["train_img_s"]), "tiles_val_auc": float(fit["tile_val_auc"]),
+                    "tiles_model_fit": int(fit["tile_model_fit"])}  # fmt: skip
     (reports_dir / "metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
     run_ids = [json.loads((where / "run.json").read_text())["run_id"] for where, _ in members]
     known = out_dir / "checkpoints" / "ensemble-run.json"  # the same members again: the same run
     previous = json.loads(known.read_text()) if known.is_file() else {}
-    tags = {f"member_{k}.run_id": r for k, r in enumerate(run_ids)}
+    tags = {f"member_{k}.run_id": r for k, r in zip(ks, run_ids, strict=True)}
+    if tiles:
+        tags["tiles.run_id"] = json.loads((tiles[0] / "run.json").read_text())["run_id"]
     run_id = previous.get("run_id") if previous.get("fingerprint") == fp else None
-    label = f"{info['image_size']}px-ensemble{len(metas)}"
+    label = f"{info['image_size']}px-ensemble{len(metas)}" + ("+tiles" if tiles else "")
     with open_train_run(params, run_id, label, fp, tags, data_reports) as run:
         run.log_metrics({k: v for k, v in summary.items() if isinstance(v, float | int)})
         run.log_artifacts(reports_dir, "train")

@@ -98,6 +98,13 @@ def make_int8(fp32_path: Path, out: Path, calibration: np.ndarray, cfg: ExportCo
         )
 
 
+def with_tile_graph(card: ModelCard, tile_path: Path) -> ModelCard:
+    """``card`` naming ``tile_path`` (beside its whole-image graph) as its tile graph, with that file's sha256."""
+    return dataclasses.replace(
+        card, tiles=dataclasses.replace(card.tiles, model=tile_path.name, sha256=sha256_file(tile_path))
+    )
+
+
 def calibration_images(images: np.ndarray, count: int, seed: int) -> np.ndarray:
     idx = np.random.default_rng(seed).permutation(len(images))[:count]
     return images[np.sort(idx)]
@@ -192,9 +199,13 @@ def recommend(report: dict, reasons: dict[str, str]) -> dict[str, str]:
     return {"cpu": cpu, "cuda": first("fp16", "fp32"), "tensorrt": first("int8", "fp16", "fp32")}
 
 
-def finish_cards(base: ModelCard, paths: dict[str, Path], report: dict, reasons: dict, recommended: dict) -> None:
-    """Write each variant's card: in its ONNX metadata and as the sidecar with the file's sha256."""
+def finish_cards(base: ModelCard, paths: dict[str, Path], report: dict, reasons: dict, recommended: dict,
+                 tile_paths: dict[str, Path] | None = None) -> None:  # fmt: skip
+    """Write each variant's card: in its ONNX metadata and as the sidecar with the file's sha256 (and its
+    tile graph's, from ``tile_paths``, where the model has tiles)."""
     for v, path in paths.items():
+        if tile_paths:
+            base = with_tile_graph(base, tile_paths[v])
         figures = {k: val for k, val in report[v].items() if k != "flipped_images"}
         card = dataclasses.replace(
             base,

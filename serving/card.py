@@ -31,6 +31,18 @@ class InputSpec:
 
 
 @dataclass(frozen=True)
+class TileSpec:
+    """A second graph beside the whole-image one: it scores the photograph cut at 1:1 into ``size`` px tiles
+    (``serving.tiles``); the image's fused probabilities weigh its most suspicious tile by ``weight``."""
+
+    model: str  # the tile graph's file name, beside the whole-image graph
+    sha256: str  # of that file
+    size: int  # tile side in pixels (the tile graph's input side)
+    weight: float  # share of the tile view in the fused probabilities
+    architecture: str = ""  # timm model name
+
+
+@dataclass(frozen=True)
 class ModelCard:
     name: str  # registered model name
     architecture: str  # timm model name
@@ -49,6 +61,7 @@ class ModelCard:
     outputs: dict[str, str] = field(
         default_factory=lambda: {"probs": "(N, K) float32 class probabilities", "defect_score": "(N,) 1 - p(ok)"}
     )
+    tiles: TileSpec | None = None  # None: the whole-image graph alone decides
     card_version: int = CARD_VERSION
 
     @property
@@ -77,7 +90,15 @@ class ModelCard:
             spec = InputSpec(**raw["input"])
         except TypeError as exc:
             raise CardError(f"{where}: field 'input': {exc}") from None
-        card = cls(**{**raw, "input": spec})
+        tiles = raw.get("tiles")
+        if tiles is not None:
+            try:
+                tiles = TileSpec(**tiles)
+            except TypeError as exc:
+                raise CardError(f"{where}: field 'tiles': {exc}") from None
+            if not 0 < tiles.weight <= 1 or tiles.size < 1:
+                raise CardError(f"{where}: tiles.weight must be in (0, 1] and tiles.size >= 1, got {tiles}")
+        card = cls(**{**raw, "input": spec, "tiles": tiles})
         if card.ok_class not in card.classes:
             raise CardError(f"{where}: ok_class {card.ok_class!r} is not one of classes {card.classes}")
         if spec.channels not in (1, 3) or spec.resize not in ("letterbox", "squash"):

@@ -193,6 +193,8 @@ def parse_infer_request(
         raise ProtocolError(f"{where}.shape has a batch size of 0")
     if shape[0] > max_batch_size:
         raise ProtocolError(f"{where}.shape has a batch size of {shape[0]}, the server's maximum is {max_batch_size}")
+    if 0 in shape[1:]:  # a model taking photographs of any size (-1 dimensions) still needs pixels
+        raise ProtocolError(f"{where}.shape {list(shape)} has an empty dimension")
     in_params = _obj(raw.get("parameters", {}), f"{where}.parameters")
     dtype = DATATYPES[datatype]
     if "binary_data_size" in in_params:

@@ -2,18 +2,21 @@
 
 ``models:/NAME@champion`` (an alias) or ``models:/NAME/3`` (a version) is resolved with the MLflow
 client against ``--tracking-uri`` (or ``MLFLOW_TRACKING_URI``), and the version's files (the ONNX
-model and its card) are downloaded into a cache folder named by name and version, so a restart or a
-reload of the same version downloads nothing. MLflow is imported only here and only for ``models:/``
-sources: a runner fed with model files needs no MLflow at all (install ``mlflow-skinny`` for the
-registry; the Docker image has it).
+model, its tile graph if it has one, and its card) are downloaded into a cache folder named by the
+store, name and version, so a restart or a reload of the same version downloads nothing. MLflow is imported only
+here and only for ``models:/`` sources: a runner fed with model files needs no MLflow at all (install
+``mlflow-skinny`` for the registry; the Docker image has it).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+
+from serving.tiles import is_tile_graph
 
 
 class RegistryError(RuntimeError):
@@ -63,7 +66,8 @@ def resolve(source: str, card: str | None = None, tracking_uri: str | None = Non
             else client.get_model_version(name, m["version"])
         )
         dest = cache or Path(os.environ.get("DEFECT_RUNNER_CACHE", Path.home() / ".cache" / "defect-runner"))
-        dest = dest / name / str(mv.version)
+        # Version numbers are per store: two stores' "version 1" are different models, so the store is in the path.
+        dest = dest / hashlib.sha256(uri.encode()).hexdigest()[:12] / name / str(mv.version)
         if not dest.is_dir():  # download beside, then rename: a killed download never looks complete
             partial = dest.with_name(f"{dest.name}.partial-{os.getpid()}")
             partial.mkdir(parents=True, exist_ok=True)
@@ -71,10 +75,11 @@ def resolve(source: str, card: str | None = None, tracking_uri: str | None = Non
             partial.rename(dest)
     except MlflowException as exc:
         raise RegistryError(f"{source} at {uri}: {exc.message}") from None
-    models = sorted(dest.rglob("*.onnx"))
+    # The whole-image graph; a tile graph beside it (X.tiles.onnx) is found by the runner through the card.
+    models = sorted(p for p in dest.rglob("*.onnx") if not is_tile_graph(p))
     if len(models) != 1:
         raise RegistryError(
-            f"{source} (version {mv.version}) must hold exactly one .onnx file with its card, found "
-            f"{[p.name for p in models]} in {mv.source}"
+            f"{source} (version {mv.version}) must hold exactly one whole-image .onnx file (and its tile graph, "
+            f"if any) with its card, found {[p.name for p in sorted(dest.rglob('*.onnx'))]} in {mv.source}"
         )
     return ResolvedModel(models[0], Path(card) if card else None, str(mv.version), source)

@@ -13,7 +13,8 @@ import numpy as np
 import onnxruntime as ort
 
 from serving.card import CardError, ModelCard, card_path_for, sha256_file
-from serving.preprocess import ImageDecodeError, load_image
+from serving.preprocess import DEFAULT_MAX_PIXELS, ImageDecodeError, decode_image, load_image, resize_image
+from serving.tiles import fuse, image_probs, tile_batch
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,21 @@ def provider_options(providers: list[str], trt_cache: str | None = None, trt_fp1
 
 class RunnerError(RuntimeError):
     """The runner refuses to start; the message says why and what to do."""
+
+
+# Tiles per run of the tile graph: a batch of large photographs holds hundreds, and one run over all of
+# them would hold every activation at once.
+TILE_CHUNK = 64
+
+
+def verify_sha256(path: Path, expected: str, whose: str) -> None:
+    """Refuse a file whose sha256 is not the card's: it was changed, or the card belongs to another model."""
+    digest = sha256_file(path)
+    if digest != expected:
+        raise RunnerError(
+            f"{path}: sha256 {digest[:12]}... does not match {whose} {expected[:12] or '(none)'}...: "
+            "the file was changed or the card belongs to another model"
+        )
 
 
 def _machine_has_nvidia_gpu() -> bool:
@@ -111,12 +127,7 @@ class Runner:
         if not self.model_path.is_file():
             raise RunnerError(f"{self.model_path}: model file not found")
         self.card = ModelCard.read(card_path or card_path_for(self.model_path))
-        digest = sha256_file(self.model_path)
-        if self.card.sha256 != digest:
-            raise RunnerError(
-                f"{self.model_path}: sha256 {digest[:12]}... does not match the model card's "
-                f"{self.card.sha256[:12] or '(none)'}...: the file was changed or the card belongs to another model"
-            )
+        verify_sha256(self.model_path, self.card.sha256, "the model card's")
         if not self.card.deployable and not force:
             raise RunnerError(
                 f"{self.model_path}: the model card marks variant {self.card.variant!r} not deployable "
@@ -132,50 +143,108 @@ class Runner:
             # box); turn it off when other work shares the cores, e.g. side-by-side benchmarks.
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         options.log_severity_level = 3  # errors only: provider fallbacks are reported by us, below
-        self.session = ort.InferenceSession(
-            str(self.model_path), options, providers=provider_options(wanted, trt_cache, trt_fp16)
-        )
+
+        def open_session(path: Path) -> ort.InferenceSession:
+            session = ort.InferenceSession(str(path), options, providers=provider_options(wanted, trt_cache, trt_fp16))
+            got = session.get_providers()
+            asked_gpu = any(p != "CPUExecutionProvider" for p in wanted)
+            got_gpu = any(p != "CPUExecutionProvider" for p in got)
+            if asked_gpu and not got_gpu and not allow_cpu_fallback:
+                raise RunnerError(
+                    f"asked for {wanted} but the session fell back to {got}: the GPU provider could not "
+                    "start (usually mismatched CUDA/cuDNN libraries or no GPU). Fix the libraries, or pass "
+                    "--allow-cpu-fallback to run on the CPU."
+                )
+            return session
+
+        self.session = open_session(self.model_path)
         self.providers = self.session.get_providers()
         log.info("model %s (%s), providers in use: %s", self.card.name, self.card.variant, self.providers)
-        asked_gpu = any(p != "CPUExecutionProvider" for p in wanted)
-        got_gpu = any(p != "CPUExecutionProvider" for p in self.providers)
-        if asked_gpu and not got_gpu and not allow_cpu_fallback:
-            raise RunnerError(
-                f"asked for {wanted} but the session fell back to {self.providers}: the GPU provider could not "
-                "start (usually mismatched CUDA/cuDNN libraries or no GPU). Fix the libraries, or pass "
-                "--allow-cpu-fallback to run on the CPU."
-            )
         self.input_name = self.session.get_inputs()[0].name
-        spec = self.card.input
+        spec, tiles = self.card.input, self.card.tiles
         self.input_shape = (spec.size, spec.size, spec.channels)
+        self.tile_session = None
+        warm_shape = self.input_shape
+        if tiles is not None:
+            # Photographs of any size: the whole graph gets each one resized, the tile graph its 1:1 tiles.
+            tile_path = self.model_path.parent / tiles.model
+            if not tile_path.is_file():
+                raise RunnerError(
+                    f"{tile_path}: tile graph not found (the card's tiles.model; export writes it beside "
+                    f"{self.model_path.name}, and a registry version holds both)"
+                )
+            verify_sha256(tile_path, tiles.sha256, "the model card's tiles")
+            self.tile_session = open_session(tile_path)
+            self.tile_input = self.tile_session.get_inputs()[0].name
+            self.input_shape = (-1, -1, spec.channels)
+            warm_shape = (tiles.size, tiles.size, spec.channels)  # one tile per image: both graphs at batch n
         # The first runs allocate, tune and (TensorRT) build engines: pay for them before "ready", at each
-        # batch size the caller expects (the server's maximum batch, say).
+        # batch size the caller expects (the server's maximum batch, say), and for the tile graph at a full chunk.
         for n in warmup_batch_sizes:
             for _ in range(warmup):
-                self.predict(np.zeros((n, *self.input_shape), dtype=np.uint8))
+                self.predict(np.zeros((n, *warm_shape), dtype=np.uint8))
+        if self.tile_session is not None and warmup:
+            self._tile_probs(np.zeros((TILE_CHUNK, *warm_shape), dtype=np.uint8))
         # The registry version, or the start of the model's sha256 for a plain file.
         self.version = version or self.card.sha256[:12]
         self.ready = True
 
-    def predict(self, batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(N, H, W, C) uint8 -> probabilities (N, K) float32 and defect scores (N,) float32."""
-        if batch.dtype != np.uint8 or batch.shape[1:] != self.input_shape:
-            raise ValueError(
-                f"expected uint8 (N, {', '.join(map(str, self.input_shape))}), got {batch.dtype} {tuple(batch.shape)}"
-            )
-        probs, score = self.session.run(["probs", "defect_score"], {self.input_name: batch})
-        return probs, score
+    def _check(self, batch: np.ndarray) -> None:
+        ok = batch.dtype == np.uint8 and batch.ndim == 4 and min(batch.shape[1:3]) >= 1
+        if not ok or any(want not in (-1, got) for want, got in zip(self.input_shape, batch.shape[1:], strict=True)):
+            want = ", ".join("any" if d == -1 else str(d) for d in self.input_shape)
+            raise ValueError(f"expected uint8 (N, {want}), got {batch.dtype} {tuple(batch.shape)}")
 
-    def load(self, source: str | Path | bytes) -> np.ndarray:
+    def _tile_probs(self, tiles: np.ndarray) -> np.ndarray:
+        """(T, size, size, C) tiles -> (T, K) probabilities, in runs of at most TILE_CHUNK tiles."""
+        runs = [
+            self.tile_session.run(["probs"], {self.tile_input: tiles[i : i + TILE_CHUNK]})[0]
+            for i in range(0, len(tiles), TILE_CHUNK)
+        ]
+        return np.concatenate(runs)
+
+    def predict_views(self, batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(N, H, W, C) uint8 photographs -> the two views ``predict`` fuses, each (N, K): the whole-image
+        graph's probabilities (each photograph resized to the input) and each photograph's most suspicious
+        tile's (``serving.tiles``). For a model with tiles only; diagnostics see which view decided."""
+        if self.tile_session is None:
+            raise ValueError(f"{self.model_path}: the model card has no tile graph")
+        self._check(batch)
+        spec, size = self.card.input, self.card.tiles.size
+        resized = np.stack([resize_image(img, spec.size, spec.resize) for img in batch])
+        whole = self.session.run(["probs"], {self.input_name: resized})[0]
+        tiles, parent = tile_batch(batch, size)
+        return whole, image_probs(self._tile_probs(tiles), parent, len(batch), self.card.ok_index)
+
+    def predict(self, batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(N, H, W, C) uint8 -> probabilities (N, K) float32 and defect scores (N,) float32.
+
+        Without tiles the batch is the model input, (N, size, size, C); with tiles it is N photographs of
+        any one size at full resolution, and the result is the two views fused by the card's weight."""
+        if self.tile_session is None:
+            self._check(batch)
+            probs, score = self.session.run(["probs", "defect_score"], {self.input_name: batch})
+            return probs, score
+        probs = fuse(*self.predict_views(batch), self.card.tiles.weight)
+        return probs, (1 - probs[:, self.card.ok_index]).astype(np.float32)
+
+    def load(self, source: str | Path | bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
+        """One file (or its bytes) as ``predict`` takes it: the model input, or with tiles the photograph
+        at full resolution (no draft decode: the tiles see it at 1:1)."""
         spec = self.card.input
-        return load_image(source, spec.size, spec.channels, spec.resize)
+        if self.tile_session is not None:
+            return decode_image(source, spec.channels, max_pixels)
+        return load_image(source, spec.size, spec.channels, spec.resize, max_pixels)
 
     def decide(self, probs: np.ndarray, score: float) -> tuple[str, str]:
         label = self.card.classes[int(np.argmax(probs))]
         return label, ("defect" if score >= self.card.threshold else "ok")
 
     def predict_files(self, paths: Iterable[str | Path], batch_size: int = 16) -> Iterator[Prediction]:
-        """Score files in batches; a file that cannot be read yields an error row, never an exception."""
+        """Score files in batches; a file that cannot be read yields an error row, never an exception.
+
+        A batch holds images of one shape: with tiles, a photograph of another size than the ones waiting
+        sends those first (a line's camera gives one size, so batches stay full)."""
         pending: list[tuple[str, np.ndarray, float]] = []
 
         def flush() -> Iterator[Prediction]:
@@ -201,6 +270,8 @@ class Runner:
             except (ImageDecodeError, OSError) as exc:
                 yield Prediction(str(path), None, None, None, None, (time.perf_counter() - t0) * 1000, str(exc))
                 continue
+            if pending and img.shape != pending[0][1].shape:
+                yield from flush()
             pending.append((str(path), img, (time.perf_counter() - t0) * 1000))
             if len(pending) >= batch_size:
                 yield from flush()

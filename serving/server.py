@@ -44,8 +44,9 @@ from starlette.routing import Route
 
 from serving import __version__
 from serving.batcher import Batcher
+from serving.card import ModelCard
 from serving.metrics import Metrics
-from serving.preprocess import DEFAULT_MAX_PIXELS, ImageDecodeError, load_image
+from serving.preprocess import DEFAULT_MAX_PIXELS, ImageDecodeError
 from serving.protocol import (
     ProtocolError,
     TensorSpec,
@@ -149,8 +150,17 @@ def model_metadata(runner: Runner) -> dict[str, Any]:
             "architecture": card.architecture,
             "resize": card.input.resize,
             "providers": runner.providers,
+            **tile_parameters(card),
         },
     }
+
+
+def tile_parameters(card: ModelCard) -> dict[str, Any]:
+    """For a card with tiles: the tile model's network, tile side and share of the fused probabilities."""
+    if card.tiles is None:
+        return {}
+    t = card.tiles
+    return {"tile_architecture": t.architecture, "tile_size": t.size, "tile_weight": t.weight}
 
 
 def error(status: int, message: str) -> JSONResponse:
@@ -355,12 +365,9 @@ def create_app(holder: ModelHolder, cfg: ServerConfig, metrics: Metrics | None =
             data, filename = await image_from(request)
             if not data:
                 raise ProtocolError("empty image: the request carried no image bytes")
-            spec = runner.card.input
             t0 = time.perf_counter()
-            try:
-                img = await run_in_threadpool(
-                    load_image, data, spec.size, spec.channels, spec.resize, cfg.max_image_pixels
-                )
+            try:  # the model input, or with tiles the photograph at full resolution
+                img = await run_in_threadpool(runner.load, data, cfg.max_image_pixels)
             except ImageDecodeError as exc:
                 status = 413 if "exceeds the limit" in str(exc) else 400
                 raise ProtocolError(str(exc).replace("<bytes>", "image"), status) from None

@@ -1,5 +1,6 @@
 """Stage benchmark: the edge runner (each exported variant) vs PyTorch eager on the same model and test
-images, interleaved; end to end from PNG and JPEG files; the HTTP server vs the runner in process."""
+images, interleaved; end to end from PNG and JPEG files; the HTTP server vs the runner in process. With a
+tile model both sides score the test photographs at full resolution (whole view and tiles, fused)."""
 
 import json
 import tempfile
@@ -8,10 +9,19 @@ from pathlib import Path
 import torch
 
 from pipeline import tracking
-from pipeline.bench import as_jpeg, batches, end_to_end, http_vs_in_process, interleaved, variant_files
+from pipeline.bench import (
+    as_jpeg,
+    batches,
+    end_to_end,
+    http_vs_in_process,
+    interleaved,
+    photographs,
+    torch_scorer,
+    variant_files,
+)
 from pipeline.entry import run_stage
 from pipeline.prepare import load_split
-from pipeline.train import load_model
+from pipeline.train import load_model, load_tile_model
 from serving.runner import Runner
 
 EXPORT = Path("models/export")
@@ -52,19 +62,28 @@ def main(params):
     # spin=False: a busy-waiting onnxruntime thread pool would starve PyTorch in the interleaved rounds.
     runners = {v: Runner(f, providers="cpu", spin=False, force=True) for v, f in variant_files(EXPORT).items()}
     net, _ = load_model(Path("models/train/model.pt"))
+    card = runners["fp32"].card
+    x, inputs = x_test, f"prepared test images, {x_test.shape[1]} px"
+    if card.tiles:  # the runner takes photographs at full resolution: both sides get them, both fuse two views
+        x = photographs(runners["fp32"], files)
+        inputs = (
+            f"photographs with tiles: {len(x)} test photographs of {x.shape[2]}x{x.shape[1]} px (the most common "
+            f"size), the whole view and {card.tiles.size} px tiles fused, in the runner and in PyTorch eager"
+        )
+    tile_net = load_tile_model(Path("models/train/model.pt"))[0] if card.tiles else None
+    print(f"benchmark: inputs: {inputs}")
 
-    def eager(batch):
-        with torch.inference_mode():
-            return net(torch.from_numpy(batch)).softmax(1)
+    eager = torch_scorer(net, tile_net, card)
 
     report: dict = {
+        "inputs": inputs,
         "providers": runners["fp32"].providers,
         "torch_threads": torch.get_num_threads(),
         "deployable": {v: r.card.deployable for v, r in runners.items()},
         "input_size": runners["fp32"].card.input.size,
     }
     for bs in cfg.batch_sizes:
-        batch = batches(x_test, bs)
+        batch = batches(x, bs)
         contenders = {v: (lambda r=r, b=batch: r.predict(b)) for v, r in runners.items()}
         res = interleaved(contenders | {"torch_eager": lambda b=batch: eager(b)}, bs, cfg.repeats, cfg.warmup)
         res["speedup_p50"] = {v: res["torch_eager"]["p50_ms"] / res[v]["p50_ms"] for v in runners}
@@ -80,7 +99,7 @@ def main(params):
         print(f"benchmark: end to end {v}: " + ", ".join(f"{k} {x:.0f}" for k, x in r.items()))
     recommended = runners["fp32"].card.recommended.get("cpu", "fp32")
     http_model = variant_files(EXPORT).get(recommended, EXPORT / "model.onnx")
-    report["http"] = http_vs_in_process(http_model, x_test[:64], files[:64], cfg.http_concurrency, cfg.http_seconds,
+    report["http"] = http_vs_in_process(http_model, x[:64], files[:64], cfg.http_concurrency, cfg.http_seconds,
                                         cfg.rounds)  # fmt: skip
     h = report["http"]
     print(

@@ -5,6 +5,8 @@ import dataclasses
 import json
 from pathlib import Path
 
+import numpy as np
+
 from pipeline import tracking
 from pipeline.entry import run_stage
 from pipeline.export import ParityError, export_onnx
@@ -12,7 +14,7 @@ from pipeline.metrics import softmax
 from pipeline.plots import variants_plot
 from pipeline.prepare import load_split, read_summary
 from pipeline.runtime import resolve_runtime
-from pipeline.train import load_model, predict_logits
+from pipeline.train import load_model, load_tile_model, predict_logits
 from pipeline.variants import (
     calibration_images,
     compare,
@@ -24,9 +26,12 @@ from pipeline.variants import (
     recommend,
     scores,
     variant_path,
+    with_tile_graph,
 )
-from serving.card import InputSpec, ModelCard, card_path_for, sha256_file
+from serving.card import InputSpec, ModelCard, TileSpec, card_path_for, sha256_file
+from serving.preprocess import decode_image, resize_image
 from serving.runner import Runner
+from serving.tiles import cut_tiles, fuse, image_probs, tile_graph_path
 
 NUMERIC = (
     "accuracy",
@@ -55,32 +60,54 @@ def main(params):
         training_run_id=tracking.read_run_id(Path("models/train/run.json")),
         data_fingerprint=meta["fingerprint"],
     )
+    tiles = load_tile_model(Path("models/train/model.pt"))
+    if tiles:
+        tnet, tmeta = tiles
+        spec = TileSpec("", "", tmeta["tile"], tmeta["weight"], tmeta["architecture"])
+        card = dataclasses.replace(card, tiles=spec)
     fp32 = Path("models/export/model.onnx")
-    export_onnx(net, card.ok_index, meta["image_size"], meta["channels"], cfg.opset, fp32, card)
-    paths = {"fp32": fp32}
-    if "fp16" in cfg.variants:
-        paths["fp16"] = variant_path(fp32, "fp16")
-        make_fp16(fp32, paths["fp16"])
-    if "int8" in cfg.variants:
-        paths["int8"] = variant_path(fp32, "int8")
-        x_train, _, _ = load_split(prepared, "train")
-        make_int8(fp32, paths["int8"], calibration_images(x_train, cfg.int8.calibration_images, 0), cfg)
+    paths = {v: variant_path(fp32, v) for v in ("fp32", *cfg.variants)}
+    tile_paths = {v: tile_graph_path(p) for v, p in paths.items()}
+    graphs = [(net, meta["image_size"], paths, prepared)]  # network, input side, file per variant, calibration data
+    if tiles:
+        graphs.append((tnet, tmeta["tile"], tile_paths, prepared / "tiles"))
+    for graph, size, files, data in graphs:  # each graph in every variant
+        export_onnx(graph, card.ok_index, size, meta["channels"], cfg.opset, files["fp32"], card)
+        if "fp16" in files:
+            make_fp16(files["fp32"], files["fp16"])
+        if "int8" in files:
+            x_train, _, _ = load_split(data, "train")
+            calibration = calibration_images(x_train, cfg.int8.calibration_images, 0)
+            make_int8(files["fp32"], files["int8"], calibration, cfg)
     for v, path in paths.items():  # provisional cards, so the runner (which checks the sha256) loads them
-        dataclasses.replace(card, variant=v, sha256=sha256_file(path)).write(card_path_for(path))
+        c = with_tile_graph(card, tile_paths[v]) if tiles else card
+        dataclasses.replace(c, variant=v, sha256=sha256_file(path)).write(card_path_for(path))
 
-    # Every variant, through the edge runner itself, against PyTorch on all test images.
+    # Every variant, through the edge runner itself, against PyTorch on all test images: with tiles, the
+    # photographs at full resolution, each scored as the runner does (its letterbox and its tiles).
     x_test, y_test, test_paths = load_split(prepared, "test")
-    torch_probs = softmax(predict_logits(net, x_test, resolve_runtime("cpu", "fp32")))
+    cpu = resolve_runtime("cpu", "fp32")
+    torch_probs = softmax(predict_logits(net, x_test, cpu))
+    if tiles:
+        photos = [decode_image(Path("data/raw/images") / p, meta["channels"]) for p in test_paths]
+        x_test = np.stack([resize_image(f, meta["image_size"], meta["resize"]) for f in photos])
+        cut = [[t for _, _, t in cut_tiles(f, tmeta["tile"])] for f in photos]
+        parent = np.concatenate([np.full(len(c), i) for i, c in enumerate(cut)])
+        tile_probs = softmax(predict_logits(tnet, np.concatenate([np.stack(c) for c in cut]), cpu))
+        whole_probs = softmax(predict_logits(net, x_test, cpu))
+        torch_probs = fuse(whole_probs, image_probs(tile_probs, parent, len(photos), card.ok_index), tmeta["weight"])
     runners = {v: Runner(p, providers="cpu", spin=False, force=True) for v, p in paths.items()}
     report = {}
+    batches = [f[None] for f in photos] if tiles else [x_test]  # photographs of many sizes: one at a time
     for v, runner in runners.items():
-        probs = runner.predict(x_test)[0]
+        probs = np.concatenate([runner.predict(b)[0] for b in batches])
         report[v] = {
             **scores(probs, y_test, card.classes, card.ok_index, threshold),
             **compare(torch_probs, probs, test_paths, card.ok_index, threshold),
-            "model_bytes": paths[v].stat().st_size,
+            "model_bytes": paths[v].stat().st_size + (tile_paths[v].stat().st_size if tiles else 0),
         }
-    lat = latencies(runners, x_test, cfg.latency_repeats, [1, 32])
+    # latency: with tiles, the first test photograph (its letterbox and its tiles) in batches of its copies
+    lat = latencies(runners, np.stack([photos[0]] * len(photos)) if tiles else x_test, cfg.latency_repeats, [1, 32])
     for v in report:
         report[v]["latency"] = lat[v]
         report[v]["speedup_vs_fp32"] = lat["fp32"]["batch_1_p50_ms"] / lat[v]["batch_1_p50_ms"]
@@ -88,7 +115,7 @@ def main(params):
     recommended = recommend(report, reasons)
     for v in report:
         report[v] |= {"deployable": not reasons[v], "not_deployable_reason": reasons[v]}
-    finish_cards(card, paths, report, reasons, recommended)
+    finish_cards(card, paths, report, reasons, recommended, tile_paths if tiles else None)
 
     out = Path("reports/export")
     out.mkdir(parents=True, exist_ok=True)

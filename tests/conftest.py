@@ -28,6 +28,9 @@ def tiny_params(**overrides) -> dict:
     p["validate"]["min_per_class"] = 2
     p["augment"]["preview_per_class"] = 2
     p["train"].update(epochs=1, batch_size=8, num_workers=0, ensemble=1, ensemble_members=[])  # one model
+    # whole images only (the default's tile model where data has masks has tests of its own: test_tiles.py)
+    p["tiles"]["use"] = "off"
+    p["tiles"]["recipe"]["train.epochs"] = 1
     p["benchmark"].update(
         batch_sizes=[1, 4], repeats=5, warmup=1, max_images=16, rounds=1, http_concurrency=4, http_seconds=0.5
     )

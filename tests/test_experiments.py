@@ -196,7 +196,8 @@ def test_crossfit_scores_every_train_and_val_image_with_a_model_that_never_saw_i
 
 
 def test_tiles_are_cut_at_full_resolution_and_labeled_by_the_defect_mask():
-    from experiments.tiles import cut_tiles, image_probs, spans, tile_labels
+    from pipeline.tiles import tile_labels
+    from serving.tiles import cut_tiles, image_probs, spans
 
     rng = np.random.default_rng(0)
     image = rng.integers(0, 256, (200, 300, 3), dtype=np.uint8)

@@ -1,0 +1,175 @@
+"""The tile model's data: every photograph cut at 1:1 into tiles of the model's input side
+(``serving.tiles``), the training tiles labeled by the defect masks.
+
+- A training tile is a defect of its image's class where the mask covers at least ``min_pixels`` of it, OK
+  where it covers none (every tile of an OK image, the clean tiles of a defect image); tiles in between, and
+  every tile of a defect image without a mask, are left out (where its defect is, is not known).
+- The prepare stage writes the labeled train and val tiles to ``data/prepared/tiles`` (a prepared folder the
+  train stage reads like the whole images'); the evaluate and export stages cut the val and test photographs
+  again (a few seconds) and score every tile.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+from tqdm import tqdm
+
+from serving.preprocess import decode_image
+from serving.tiles import cut_tiles
+
+log = logging.getLogger(__name__)
+KEYS = ("images", "labels", "paths", "groups")
+
+
+def tile_labels(mask: np.ndarray | None, label: int, ok_index: int, positions: list[tuple[int, int]], tile: int,
+                min_pixels: int) -> list[int | None]:  # fmt: skip
+    """The training label of each tile at ``positions``: ``label`` where ``mask`` (H, W bool) covers at least
+    ``min_pixels`` of it, ``ok_index`` where it covers none, None (left out) in between; an OK image's tiles
+    are all OK, a defect image without a mask has every tile left out."""
+    if label == ok_index:
+        return [ok_index] * len(positions)
+    if mask is None:
+        return [None] * len(positions)
+    covered = [int(mask[y : y + tile, x : x + tile].sum()) for x, y in positions]
+    return [label if a >= min_pixels else ok_index if a == 0 else None for a in covered]
+
+
+def mask_path(masks_dir: Path, rel_path: str) -> Path:
+    return masks_dir / Path(rel_path).parent / f"{Path(rel_path).stem}.png"
+
+
+def read_mask(masks_dir: Path, rel_path: str) -> np.ndarray | None:
+    """The full-resolution defect mask of image ``rel_path`` (``<class>/<stem>.png``), True where the defect
+    is: any pixel above 0, so the anti-aliased rim of a drawn defect counts; None where there is no such file
+    or it marks nothing."""
+    path = mask_path(masks_dir, rel_path)
+    if not path.is_file():
+        return None
+    with Image.open(path) as m:
+        mask = np.asarray(m.convert("L")) > 0
+    return mask if mask.any() else None
+
+
+def tile_split(split: dict, images_dir: Path, masks_dir: Path | None, tile: int, channels: int, ok_index: int,
+               min_pixels: int, transform=None, desc: str = "tiles") -> dict[str, np.ndarray]:  # fmt: skip
+    """Every tile of a split's photographs (``split``: paths, labels, groups): images, labels (the mask's; -1
+    left out), parent (the photograph's index), paths (``<path>#x,y``) and groups (the photograph's).
+    ``transform(image, mask) -> (image, mask)`` is applied before cutting (an experiment's rescale)."""
+    out: dict[str, list] = {"images": [], "labels": [], "parent": [], "paths": [], "groups": []}
+    rows = zip(split["paths"], split["labels"], split["groups"], strict=True)
+    for i, (rel, label, group) in enumerate(tqdm(list(rows), desc=desc, unit="img", mininterval=5)):
+        rel = str(rel)
+        image = decode_image(images_dir / rel, channels)
+        mask = read_mask(masks_dir, rel) if masks_dir is not None and label != ok_index else None
+        if mask is not None and mask.shape != image.shape[:2]:
+            raise ValueError(f"{mask_path(masks_dir, rel)}: mask is {mask.shape[1]}x{mask.shape[0]} px, its image "
+                             f"{image.shape[1]}x{image.shape[0]}; expected the same size")  # fmt: skip
+        if transform is not None:
+            image, mask = transform(image, mask)
+        pieces = cut_tiles(image, tile)
+        labels = tile_labels(mask, int(label), ok_index, [(x, y) for x, y, _ in pieces], tile, min_pixels)
+        for (x, y, t), lab in zip(pieces, labels, strict=True):
+            out["images"].append(t)
+            out["labels"].append(-1 if lab is None else lab)
+            out["parent"].append(i)
+            out["paths"].append(f"{rel}#{x},{y}")
+            out["groups"].append(group)
+    if not out["images"]:
+        return {k: np.zeros((0, tile, tile, channels), np.uint8) if k == "images" else np.array(v)
+                for k, v in out.items()}  # fmt: skip
+    return {k: np.array(v) for k, v in out.items()}
+
+
+def write_tile_data(dest: Path, info: dict, train_tiles: dict, val_tiles: dict) -> Path:
+    """A prepared folder the train stage reads: the labeled training tiles and the labeled val tiles (the
+    training's val figures are then by tile). Written once for the same tiles and labels: its bytes are the
+    training's fingerprint, so a killed run resumes instead of starting over."""
+    from pipeline.prepare import MASK_UNKNOWN
+
+    marker = dest / "tiles.sha256"
+    digest = hashlib.sha256(json.dumps(info, sort_keys=True).encode())  # tile size and channels among it
+    for d in (train_tiles, val_tiles):
+        digest.update("\n".join(f"{p} {y}" for p, y in zip(d["paths"], d["labels"], strict=True)).encode())
+        digest.update(np.ascontiguousarray(d["images"]).data)  # the pixels: other images at the same paths
+    if marker.is_file() and marker.read_text() == digest.hexdigest():
+        return dest
+    dest.mkdir(parents=True, exist_ok=True)
+    info = dict(info, splits={})
+    for name, d in (("train", train_tiles), ("val", val_tiles)):  # the train stage reads no test split
+        keep = d["labels"] >= 0
+        arrays = {k: d[k][keep] for k in KEYS}
+        arrays["masks"] = np.full((int(keep.sum()), 1, 1), MASK_UNKNOWN, np.uint8)  # no mask head for tiles
+        np.savez(dest / f"{name}.npz", **arrays)
+        info["splits"][name] = {c: int((arrays["labels"] == i).sum()) for i, c in enumerate(info["classes"])}
+    (dest / "prepare.json").write_text(json.dumps(info, indent=2) + "\n")
+    marker.write_text(digest.hexdigest())
+    return dest
+
+
+def prepare_tiles(prepared_dir: Path, images_dir: Path, masks_dir: Path, min_pixels: int) -> dict | None:
+    """The prepare stage's tile data, ``prepared_dir/tiles``, from its train and val splits; None (and no
+    folder) where no training tile is covered by a mask: nothing to learn defects from."""
+    from pipeline.prepare import read_summary
+
+    info = read_summary(prepared_dir)
+    ok_index, tile = info["classes"].index(info["ok_class"]), info["image_size"]
+    tiles = {}
+    for name in ("train", "val"):
+        with np.load(prepared_dir / f"{name}.npz") as z:
+            split = {k: z[k] for k in ("paths", "labels", "groups")}
+        tiles[name] = tile_split(split, images_dir, masks_dir, tile, info["channels"], ok_index, min_pixels,
+                                 desc=f"tiles {name}")  # fmt: skip
+    tr = tiles["train"]["labels"]
+    counts = {"defect": int(((tr >= 0) & (tr != ok_index)).sum()), "ok": int((tr == ok_index).sum()),
+              "left_out": int((tr < 0).sum())}  # fmt: skip
+    if not counts["defect"]:
+        log.warning("%s: no training tile is covered by a defect mask (>= %d px): no tile model", masks_dir, min_pixels)
+        return None
+    same = {k: v for k, v in info.items() if k not in ("splits", "masks_known", "tiles")}  # classes, size, ...
+    write_tile_data(prepared_dir / "tiles", same | {"min_mask_pixels": min_pixels}, tiles["train"], tiles["val"])
+    per_image = len(tr) / max(1, len(np.unique(tiles["train"]["parent"])))
+    return {"tile": tile, "train_tiles": counts, "tiles_per_image": per_image}
+
+
+def score_tiles(paths: list[str], images_dir: Path, tile: int, channels: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every tile of the photographs at ``paths`` (relative to ``images_dir``): (T, tile, tile, C) uint8 and
+    each tile's photograph index, for scoring."""
+    split = {"paths": np.array(paths), "labels": np.zeros(len(paths), int), "groups": np.array(paths)}
+    t = tile_split(split, images_dir, None, tile, channels, 0, 1, desc="cut tiles")
+    return t["images"], t["parent"]
+
+
+def fit_check(history: Path, train_labels: np.ndarray, ok_index: int, ok_share: float) -> dict:
+    """Did the tile model learn? Its last epoch's train accuracy against the share of OK tiles in an epoch
+    (a model that calls every tile OK scores that share). From scratch, a few hundred defect tiles among
+    thousands of clean ones sometimes never leave that plateau (measured: README); the run then says so."""
+    from pipeline.train import read_history
+
+    last = read_history(history)[-1]
+    n_ok = int((train_labels == ok_index).sum())
+    n_defect = int(((train_labels >= 0) & (train_labels != ok_index)).sum())
+    share = ok_share * n_ok / (ok_share * n_ok + n_defect)
+    fit = {"tile_train_accuracy": last["train_acc"], "tile_val_auc": last.get("val_auc", float("nan")),
+           "epoch_ok_share": share, "tile_model_fit": bool(last["train_acc"] >= share + 0.05)}  # fmt: skip
+    if not fit["tile_model_fit"]:
+        log.warning("the tile model did not fit: train accuracy %.2f at the last epoch, where calling every "
+                    "tile OK scores %.2f; its figures are a failed training's (try a lower train.lr in "
+                    "tiles.recipe, or another train.seed)", last["train_acc"], share)  # fmt: skip
+    return fit
+
+
+def tile_view(net, paths: list[str], images_dir: Path, tile: int, channels: int, ok_index: int, rt) -> np.ndarray:
+    """(N, K): the tile model's probabilities of each photograph at ``paths``, those of its most suspicious
+    tile (``serving.tiles.image_probs``)."""
+    from pipeline.loop import predict_logits
+    from pipeline.metrics import softmax
+    from serving.tiles import image_probs
+
+    x, parent = score_tiles(paths, images_dir, tile, channels)
+    return image_probs(softmax(predict_logits(net, x, rt)), parent, len(paths), ok_index)
