@@ -4,16 +4,18 @@ real split, at the evaluate stage's own operating points.
     python experiments/tiles.py [--with models/train/model.pt [MODEL ...]] [--model resnet10t] [--epochs 28]
                                 [--ok-share 0.3] [--scale 1]
 
-Run it in a project whose train stage has run on data with defect masks (``<source>_masks``, which the
-ingest stage copies to ``data/raw/masks``). Every image of the train, val and test splits is cut into
-square tiles of ``prepare.image_size`` (``--tile``) at 1:1, no downscale (tiles overlap just enough to
-cover the edges; a side shorter than a tile is padded), so a defect 2 px wide stays 2 px wide, where the
-prepare stage's downscale of a 600 px photograph to 128 px leaves it under half a pixel. ``--scale 0.5``
-first shrinks each photograph and its mask to half their sides (the prepare stage's bilinear resize; a mask
-cell stays marked where any defect pixel falls in it; ``--min-mask-pixels`` counts the resized pixels), so a
-2 px defect is still 1 px wide: fewer tiles (the magnetic tiles' test split: 3.1 per image instead of 8.2,
-an epoch 0.44x), but there it caught less on re-drawn splits than 1:1 at half the epochs for the same time
-(measured: docs/magnetic_tiles.md).
+The pipeline itself now trains such a tile model wherever the data has masks (params.yaml, ``tiles``;
+measured: docs/magnetic_tiles.md, *The tile model in the pipeline*); this tool measures other tile recipes
+beside a whole-image model. Run it in a project whose train stage has run on data with defect masks
+(``<source>_masks``, which the ingest stage copies to ``data/raw/masks``). Every image of the train, val and
+test splits is cut into square tiles of ``prepare.image_size`` (``--tile``) at 1:1, no downscale (tiles
+overlap just enough to cover the edges; a side shorter than a tile is padded), so a defect 2 px wide stays 2
+px wide, where the prepare stage's downscale of a 600 px photograph to 128 px leaves it under half a pixel.
+``--scale 0.5`` first shrinks each photograph and its mask to half their sides (the prepare stage's bilinear
+resize; a mask cell stays marked where any defect pixel falls in it; ``--min-mask-pixels`` counts the resized
+pixels), so a 2 px defect is still 1 px wide: fewer tiles (the magnetic tiles' test split: 3.1 per image
+instead of 8.2, an epoch 0.44x), but there it caught less on re-drawn splits than 1:1 at half the epochs for
+the same time (measured: docs/magnetic_tiles.md).
 
 - Training tiles are labeled by the masks: a defect of its image's class where the mask covers at least
   ``--min-mask-pixels`` of the tile, OK where it covers none (every tile of an OK image, the clean tiles of

@@ -220,6 +220,8 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
         return _build(tp, value, key)
     if origin is Literal:
         allowed = typing.get_args(tp)
+        if value is False and "off" in allowed:  # YAML 1.1 reads a bare off (or no) as false
+            value = "off"
         if value not in allowed or type(value) is not type(allowed[0]):  # noqa: E721 (1 != True here)
             raise ConfigError(f"{key}: expected one of {list(allowed)}, got {value!r}")
         return value

@@ -98,12 +98,9 @@ def prepare(
     cfg: PrepareConfig,
     out_dir: Path,
     masks_dir: Path | None = None,
-    draft: bool = True,
 ) -> dict:
     """``masks_dir``: the defect masks (``<class>/<stem>.png``, as ingest lays them out), if any; without a
-    single defect mask there, no mask is known, OK images' included (nothing would teach where defects are).
-    ``draft``: ``load_image``'s JPEG draft decode; False for a model with tiles, whose runner resizes the full
-    decode (the whole-image model then trains and is evaluated on exactly what the runner feeds it)."""
+    single defect mask there, no mask is known, OK images' included (nothing would teach where defects are)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     splits = assign_splits(manifest, cfg)
     has_masks = masks_dir is not None and any(
@@ -117,7 +114,6 @@ def prepare(
         "image_size": cfg.image_size,
         "channels": channels,
         "resize": cfg.resize,
-        "draft": draft,
         "splits": {},
     }
     for name in SPLITS:
@@ -125,7 +121,7 @@ def prepare(
 
         def load(r: dict) -> tuple[np.ndarray, np.ndarray]:
             s = cfg.image_size
-            image = load_image(images_dir / r["path"], s, channels, cfg.resize, draft=draft)
+            image = load_image(images_dir / r["path"], s, channels, cfg.resize)
             return image, mask_for(masks_dir if has_masks else None, r, ok_class, s, cfg.resize)
 
         # Pillow releases the GIL while decoding and resizing, so threads use both cores.

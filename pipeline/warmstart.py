@@ -50,7 +50,7 @@ class WarmStart:
                 f"{architecture}; use train.init_from: none to change the architecture"
             )
         own = model.state_dict()
-        if members > 1:
+        if members > 1 or "member_models" in meta:  # an ensemble's file, one member kept beside tiles included
             k = names.index(architecture)
             prefix = f"members.{k}."
             weights = {key.removeprefix(prefix): v for key, v in weights.items() if key.startswith(prefix)}

@@ -117,14 +117,7 @@ def resize_image(img: np.ndarray, size: int, mode: str, fill: int | None = None)
 
 
 def load_image(
-    source: str | Path | bytes,
-    size: int,
-    channels: int,
-    mode: str,
-    max_pixels: int = DEFAULT_MAX_PIXELS,
-    draft: bool = True,
+    source: str | Path | bytes, size: int, channels: int, mode: str, max_pixels: int = DEFAULT_MAX_PIXELS
 ) -> np.ndarray:
-    """Decode + resize: the model input for one image, (size, size, channels) uint8. ``draft`` lets a JPEG
-    decode at a reduced scale first (faster); False resizes the full decode, as a model with tiles does (its
-    runner cuts the tiles from the full decode and resizes that same decode for the whole view)."""
-    return resize_image(decode_image(source, channels, max_pixels, draft_size=size if draft else None), size, mode)
+    """Decode + resize: the model input for one image, (size, size, channels) uint8."""
+    return resize_image(decode_image(source, channels, max_pixels, draft_size=size), size, mode)

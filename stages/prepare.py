@@ -15,18 +15,20 @@ def main(params):
     manifest = read_manifest(Path("data/validated/manifest.csv"))
     classes = sorted({r["label"] for r in manifest})
     out, masks = Path("data/prepared"), Path("data/raw/masks")
-    wants_tiles = params.tiles.use == "auto" and masks.is_dir() and any(masks.rglob("*.png"))
-
-    def whole_images(draft: bool) -> dict:
-        # With tiles the runner resizes the full decode for the whole view: so do the whole images here.
-        return prepare(manifest, Path("data/raw/images"), classes, params.data.ok_class, params.data.channels,
-                       params.prepare, out, masks_dir=masks, draft=draft)  # fmt: skip
-
-    summary = whole_images(draft=not wants_tiles)
+    summary = prepare(
+        manifest,
+        Path("data/raw/images"),
+        classes,
+        params.data.ok_class,
+        params.data.channels,
+        params.prepare,
+        out,
+        masks_dir=masks,
+    )
     shutil.rmtree(out / "tiles", ignore_errors=True)
-    tiles = prepare_tiles(out, Path("data/raw/images"), masks, params.tiles.min_mask_pixels) if wants_tiles else None
-    if wants_tiles and tiles is None:  # no training tile covered by a mask: whole images only, as usual
-        summary = whole_images(draft=True)
+    tiles = None
+    if params.tiles.use == "auto" and masks.is_dir() and any(masks.rglob("*.png")):
+        tiles = prepare_tiles(out, Path("data/raw/images"), masks, params.tiles.min_mask_pixels)
     summary["tiles"] = tiles  # None: the whole images alone (tiles.use off, no masks, or no tile covered)
     (out / "prepare.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"prepare: {summary['splits']}; tiles: {tiles or 'none'}")

@@ -11,6 +11,7 @@ import shutil
 
 import numpy as np
 import pytest
+import torch
 import yaml
 
 from pipeline.config import ConfigError, params_from_dict
@@ -57,6 +58,9 @@ def test_tiles_params_are_checked_by_name():
         p["tiles"][key] = value
         with pytest.raises(ConfigError, match=re.escape(said)):
             params_from_dict(p)
+    p = tiny_params()
+    p["tiles"]["use"] = yaml.safe_load("use: off")["use"]  # YAML reads a bare off as false: still means off
+    assert params_from_dict(p).tiles.use == "off"
 
 
 def test_prepare_cuts_1to1_tiles_labeled_by_the_masks(tiled):
@@ -177,28 +181,17 @@ def test_export_writes_a_tile_graph_per_variant_and_the_runner_scores_photograph
     assert pred.defect_score == pytest.approx(float(expected), abs=1e-4)
 
 
-def test_with_tiles_the_whole_images_are_resized_from_the_full_decode_as_the_runner_does(tmp_path):
-    """A JPEG several times the input side: the default decode drafts it at a reduced scale first; with tiles
-    the prepare stage resizes the full decode, the same pixels the runner's whole view gets."""
-    from PIL import Image
+def test_retraining_warm_starts_from_a_model_with_tiles(tiled):
+    """``train.init_from`` a model.pt with one kept member and a tile model: the member's weights load (not
+    the tile network's), where a file of one member was once read as a plain model and nothing loaded."""
+    from pipeline.model import create_model
+    from pipeline.warmstart import resolve_init
 
-    from pipeline.config import PrepareConfig, SplitConfig
-    from pipeline.prepare import load_split, prepare
-    from serving.preprocess import load_image, resize_image
-
-    rng = np.random.default_rng(0)
-    (tmp_path / "images/ok").mkdir(parents=True)
-    rows = []
-    for i in range(6):
-        pixels = rng.integers(0, 256, (400, 600, 3), dtype=np.uint8)
-        Image.fromarray(pixels).save(tmp_path / f"images/ok/{i}.jpg", quality=90)
-        rows.append({"path": f"ok/{i}.jpg", "label": "ok", "group": f"{i * 16**8 // 6:08x}"})  # 3 in train
-    cfg = PrepareConfig(64, "letterbox", SplitConfig(0.2, 0.2))
-    for draft in (True, False):
-        prepare(rows, tmp_path / "images", ["ok"], "ok", 3, cfg, tmp_path / f"prepared-{draft}", draft=draft)
-    x_draft, _, paths = load_split(tmp_path / "prepared-True", "train")
-    x_full, _, _ = load_split(tmp_path / "prepared-False", "train")
-    full = [resize_image(decode_image(tmp_path / "images" / p, 3), 64, "letterbox") for p in paths]
-    assert np.array_equal(x_full, np.stack(full))
-    assert np.array_equal(x_draft, np.stack([load_image(tmp_path / "images" / p, 64, 3, "letterbox") for p in paths]))
-    assert not np.array_equal(x_draft, x_full)  # the draft decode gives other pixels: a skew the runner would see
+    p = tiled_params()
+    p["train"]["init_from"] = str(tiled / "models/train/model.pt")
+    params = params_from_dict(p)
+    member, _ = load_model(tiled / "models/train/model.pt")
+    fresh = create_model(params.model, 4, 3)
+    resolve_init(params).load_into(fresh, params.model.name)
+    for name, value in member.members[0].state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], value), name
