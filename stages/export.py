@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline import tracking
+from pipeline.bench import torch_scorer
 from pipeline.entry import run_stage
 from pipeline.export import ParityError, export_onnx
 from pipeline.metrics import softmax
@@ -29,9 +30,9 @@ from pipeline.variants import (
     with_tile_graph,
 )
 from serving.card import InputSpec, ModelCard, TileSpec, card_path_for, sha256_file
-from serving.preprocess import decode_image, resize_image
+from serving.preprocess import decode_image
 from serving.runner import Runner
-from serving.tiles import cut_tiles, fuse, image_probs, tile_graph_path
+from serving.tiles import tile_graph_path
 
 NUMERIC = (
     "accuracy",
@@ -86,16 +87,12 @@ def main(params):
     # Every variant, through the edge runner itself, against PyTorch on all test images: with tiles, the
     # photographs at full resolution, each scored as the runner does (its letterbox and its tiles).
     x_test, y_test, test_paths = load_split(prepared, "test")
-    cpu = resolve_runtime("cpu", "fp32")
-    torch_probs = softmax(predict_logits(net, x_test, cpu))
-    if tiles:
+    if tiles:  # one at a time (many sizes), both views as the runner scores them: pipeline.bench.torch_scorer
         photos = [decode_image(Path("data/raw/images") / p, meta["channels"]) for p in test_paths]
-        x_test = np.stack([resize_image(f, meta["image_size"], meta["resize"]) for f in photos])
-        cut = [[t for _, _, t in cut_tiles(f, tmeta["tile"])] for f in photos]
-        parent = np.concatenate([np.full(len(c), i) for i, c in enumerate(cut)])
-        tile_probs = softmax(predict_logits(tnet, np.concatenate([np.stack(c) for c in cut]), cpu))
-        whole_probs = softmax(predict_logits(net, x_test, cpu))
-        torch_probs = fuse(whole_probs, image_probs(tile_probs, parent, len(photos), card.ok_index), tmeta["weight"])
+        score = torch_scorer(net, tnet, card)
+        torch_probs = np.concatenate([score(f[None]) for f in photos])
+    else:
+        torch_probs = softmax(predict_logits(net, x_test, resolve_runtime("cpu", "fp32")))
     runners = {v: Runner(p, providers="cpu", spin=False, force=True) for v, p in paths.items()}
     report = {}
     batches = [f[None] for f in photos] if tiles else [x_test]  # photographs of many sizes: one at a time
