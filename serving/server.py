@@ -34,19 +34,19 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import uvicorn
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
 from serving import __version__
 from serving.batcher import Batcher
 from serving.card import ModelCard
-from serving.metrics import Metrics
 from serving.preprocess import DEFAULT_MAX_PIXELS, ImageDecodeError
+from serving.prometheus import Metrics
 from serving.protocol import (
     ProtocolError,
     TensorSpec,
@@ -238,104 +238,80 @@ class Guard:
         return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self.token.encode())
 
 
-def create_app(holder: ModelHolder, cfg: ServerConfig, metrics: Metrics | None = None):
-    metrics = metrics or Metrics()
-    batcher = Batcher(
-        holder.infer,
-        cfg.max_batch_size,
-        cfg.max_queue_delay_ms / 1000,
-        on_batch=lambda n, s: metrics.batch_size.observe(n),
-    )
-    queue = ReviewQueue(Path(cfg.review_dir)) if cfg.review_dir else None
+class V2Endpoints:
+    """The HTTP handlers, one method per route (as KServe's ``V2Endpoints``); routes in ``register_v2_endpoints``.
 
-    def publish_model() -> None:
-        r = holder.runner
-        metrics.set_model(r.card.name, r.version, r.card.variant, r.providers[0])
+    Owns what the handlers share: the model holder, the batcher that groups concurrent requests into
+    one model call, the Prometheus metrics and, with ``cfg.review_dir``, the review queue.
+    """
 
-    publish_model()
-    if queue:
-        metrics.review_queue_size.set(queue.count())
+    def __init__(self, holder: ModelHolder, cfg: ServerConfig, metrics: Metrics) -> None:
+        self.holder, self.cfg, self.metrics = holder, cfg, metrics
+        self.batcher = Batcher(
+            holder.infer,
+            cfg.max_batch_size,
+            cfg.max_queue_delay_ms / 1000,
+            on_batch=lambda n, _s: metrics.batch_size.observe(n),
+        )
+        self.queue = ReviewQueue(Path(cfg.review_dir)) if cfg.review_dir else None
+        self.publish_model()
+        if self.queue:
+            metrics.review_queue_size.set(self.queue.count())
 
-    def runner_for(request: Request) -> Runner:
-        runner = holder.runner
+    def publish_model(self) -> None:
+        r = self.holder.runner
+        self.metrics.set_model(r.card.name, r.version, r.card.variant, r.providers[0])
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app) -> AsyncIterator[None]:
+        """Start the batcher and the SIGHUP reload; at shutdown, finish the batches in hand."""
+        self.batcher.start()
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # not in the main thread
+            loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(self.do_reload()))
+        cfg, runner = self.cfg, self.holder.runner
+        log.info(
+            "serving %s version %s on %s (max batch %d, queue delay %.1f ms)",
+            self.holder.name,
+            runner.version,
+            runner.providers,
+            cfg.max_batch_size,
+            cfg.max_queue_delay_ms,
+        )
+        yield
+        await self.batcher.stop()
+
+    # --- request helpers ---------------------------------------------------------------------------
+    def runner_for(self, request: Request) -> Runner:
+        """The runner serving the request's model name (and version, when the path names one), else 404."""
+        runner, served = self.holder.runner, self.holder.name
         name, version = request.path_params["name"], request.path_params.get("version")
-        if name != holder.name:
-            raise ProtocolError(f"unknown model {name!r}: this server serves {holder.name!r}", 404)
+        if name != served:
+            raise ProtocolError(f"unknown model {name!r}: this server serves {served!r}", 404)
         if version is not None and version != runner.version:
             raise ProtocolError(f"model {name!r} has no version {version!r} (serving {runner.version!r})", 404)
         return runner
 
-    async def read_body(request: Request) -> bytes:
+    async def read_body(self, request: Request) -> bytes:
+        """The whole body, refused with 413 once it exceeds ``cfg.max_body_bytes``."""
+        limit = self.cfg.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None:
             if not declared.isdigit():
                 raise ProtocolError(f"header Content-Length must be a number, got {declared!r}")
-            if int(declared) > cfg.max_body_bytes:
-                raise ProtocolError(f"body of {declared} bytes exceeds the limit of {cfg.max_body_bytes} bytes", 413)
+            if int(declared) > limit:
+                raise ProtocolError(f"body of {declared} bytes exceeds the limit of {limit} bytes", 413)
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
-            if size > cfg.max_body_bytes:  # chunked uploads have no Content-Length: count as they come
-                raise ProtocolError(f"body exceeds the limit of {cfg.max_body_bytes} bytes", 413)
+            if size > limit:  # chunked uploads have no Content-Length: count as they come
+                raise ProtocolError(f"body exceeds the limit of {limit} bytes", 413)
             chunks.append(chunk)
         return b"".join(chunks)
 
-    # --- health and metadata ---------------------------------------------------------------------
-    async def live(request: Request) -> Response:
-        return JSONResponse({"live": True})
-
-    async def ready(request: Request) -> Response:
-        ok = holder.runner.ready
-        return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
-
-    async def server_metadata(request: Request) -> Response:
-        return JSONResponse(
-            {"name": "defect-runner", "version": __version__, "extensions": ["binary_tensor_data", "model_repository"]}
-        )
-
-    async def model_meta(request: Request) -> Response:
-        return JSONResponse(model_metadata(runner_for(request)))
-
-    async def model_ready(request: Request) -> Response:
-        runner = runner_for(request)
-        return JSONResponse({"name": holder.name, "ready": runner.ready}, status_code=200 if runner.ready else 503)
-
-    async def prometheus(request: Request) -> Response:
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    # --- inference ---------------------------------------------------------------------------------
-    async def run_batch(submit, x: np.ndarray):
-        try:
-            res = await submit(x)
-        except ValueError as exc:  # a reload changed the input shape while the request waited
-            raise ProtocolError(f"the model changed while the request waited ({exc}); send it again", 409) from None
-        metrics.phase.labels("queue").observe(res.queue_s)
-        metrics.phase.labels("inference").observe(res.infer_s)
-        return res
-
-    async def infer(request: Request) -> Response:
-        runner = runner_for(request)
-        async with batcher.slot() as submit:
-            body = await read_body(request)
-            body = decompress(body, request.headers.get("content-encoding"), cfg.max_body_bytes)
-            header, tail = split_body(body, request.headers.get("inference-header-content-length"))
-            req = parse_infer_request(header, tail, input_spec(runner), OUTPUTS, cfg.max_batch_size)
-            res = await run_batch(submit, req.tensor)
-        threshold = res.tag.card.threshold
-        scores = res.outputs["defect_score"]
-        metrics.images.labels("defect").inc(int((scores >= threshold).sum()))
-        metrics.images.labels("ok").inc(int((scores < threshold).sum()))
-        content, header_len = infer_response(holder.name, res.tag.version, req, res.outputs)
-        if header_len is None:
-            return Response(content, media_type="application/json")
-        return Response(
-            content,
-            media_type="application/octet-stream",
-            headers={"Inference-Header-Content-Length": str(header_len)},
-        )
-
-    async def image_from(request: Request) -> tuple[bytes, str]:
-        body = await read_body(request)
+    async def image_from(self, request: Request) -> tuple[bytes, str]:
+        """The encoded image and its client-side filename: a raw image body or a multipart file field."""
+        body = await self.read_body(request)
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if ctype == "multipart/form-data":
 
@@ -359,29 +335,91 @@ def create_app(holder: ModelHolder, cfg: ServerConfig, metrics: Metrics | None =
             )
         return body, request.query_params.get("filename", "")
 
-    async def classify(request: Request) -> Response:
-        runner = runner_for(request)
-        async with batcher.slot() as submit:
-            data, filename = await image_from(request)
+    async def decode(self, runner: Runner, data: bytes) -> tuple[np.ndarray, float]:
+        """Image bytes -> (H, W, C) uint8 pixels (the model input, or with tiles the full photograph), seconds."""
+        t0 = time.perf_counter()
+        try:
+            img = await run_in_threadpool(runner.load, data, self.cfg.max_image_pixels)
+        except ImageDecodeError as exc:
+            status = 413 if "exceeds the limit" in str(exc) else 400
+            raise ProtocolError(str(exc).replace("<bytes>", "image"), status) from None
+        decode_s = time.perf_counter() - t0
+        self.metrics.phase.labels("decode").observe(decode_s)
+        return img, decode_s
+
+    async def run_batch(self, submit, x: np.ndarray):
+        """Score ``x`` (N, ...) in the next batch; record its queue and inference time."""
+        try:
+            res = await submit(x)
+        except ValueError as exc:  # a reload changed the input shape while the request waited
+            raise ProtocolError(f"the model changed while the request waited ({exc}); send it again", 409) from None
+        self.metrics.phase.labels("queue").observe(res.queue_s)
+        self.metrics.phase.labels("inference").observe(res.infer_s)
+        return res
+
+    # --- health and metadata -----------------------------------------------------------------------
+    async def live(self, request: Request) -> Response:
+        return JSONResponse({"live": True})
+
+    async def ready(self, request: Request) -> Response:
+        ok = self.holder.runner.ready
+        return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
+
+    async def server_metadata(self, request: Request) -> Response:
+        return JSONResponse(
+            {"name": "defect-runner", "version": __version__, "extensions": ["binary_tensor_data", "model_repository"]}
+        )
+
+    async def model_meta(self, request: Request) -> Response:
+        return JSONResponse(model_metadata(self.runner_for(request)))
+
+    async def model_ready(self, request: Request) -> Response:
+        runner = self.runner_for(request)
+        return JSONResponse({"name": self.holder.name, "ready": runner.ready}, status_code=200 if runner.ready else 503)
+
+    async def prometheus(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # --- inference ---------------------------------------------------------------------------------
+    async def infer(self, request: Request) -> Response:
+        """v2 tensors in (JSON or the binary extension), probs and defect scores out in the same form."""
+        runner, cfg = self.runner_for(request), self.cfg
+        async with self.batcher.slot() as submit:
+            body = await self.read_body(request)
+            body = decompress(body, request.headers.get("content-encoding"), cfg.max_body_bytes)
+            header, tail = split_body(body, request.headers.get("inference-header-content-length"))
+            req = parse_infer_request(header, tail, input_spec(runner), OUTPUTS, cfg.max_batch_size)
+            res = await self.run_batch(submit, req.tensor)
+        threshold = res.tag.card.threshold
+        scores = res.outputs["defect_score"]
+        self.metrics.images.labels("defect").inc(int((scores >= threshold).sum()))
+        self.metrics.images.labels("ok").inc(int((scores < threshold).sum()))
+        content, header_len = infer_response(self.holder.name, res.tag.version, req, res.outputs)
+        if header_len is None:
+            return Response(content, media_type="application/json")
+        return Response(
+            content,
+            media_type="application/octet-stream",
+            headers={"Inference-Header-Content-Length": str(header_len)},
+        )
+
+    async def classify(self, request: Request) -> Response:
+        """An encoded image in, the decision out; unsure images are copied to the review queue."""
+        runner = self.runner_for(request)
+        async with self.batcher.slot() as submit:
+            data, filename = await self.image_from(request)
             if not data:
                 raise ProtocolError("empty image: the request carried no image bytes")
-            t0 = time.perf_counter()
-            try:  # the model input, or with tiles the photograph at full resolution
-                img = await run_in_threadpool(runner.load, data, cfg.max_image_pixels)
-            except ImageDecodeError as exc:
-                status = 413 if "exceeds the limit" in str(exc) else 400
-                raise ProtocolError(str(exc).replace("<bytes>", "image"), status) from None
-            decode_s = time.perf_counter() - t0
-            metrics.phase.labels("decode").observe(decode_s)
-            res = await run_batch(submit, img[None])
+            img, decode_s = await self.decode(runner, data)
+            res = await self.run_batch(submit, img[None])
         used: Runner = res.tag
         p, score = res.outputs["probs"][0], float(res.outputs["defect_score"][0])
         label, decision = used.decide(p, score)
         probs = dict(zip(used.card.classes, map(float, p), strict=True))
-        metrics.images.labels(decision).inc()
-        reasons = cfg.review_rule.reasons(score, probs, used.card.threshold)
+        self.metrics.images.labels(decision).inc()
+        reasons = self.cfg.review_rule.reasons(score, probs, used.card.threshold)
         result = {
-            "model_name": holder.name,
+            "model_name": self.holder.name,
             "model_version": used.version,
             "class": label,
             "probabilities": probs,
@@ -396,93 +434,91 @@ def create_app(holder: ModelHolder, cfg: ServerConfig, metrics: Metrics | None =
                 "batch_size": res.batch_size,
             },
         }
-        if queue and reasons:
-            stem = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:8]
-            name = stem + image_suffix(data)
-            row = {k: result[k] for k in ("class", "probabilities", "defect_score", "decision", "model_version")}
-            row["filename"] = filename
-            await run_in_threadpool(queue.add, data, name, label, row, reasons)
-            metrics.review_queued.inc()
-            metrics.review_queue_size.inc()
+        if self.queue and reasons:
+            await self.send_to_review(data, filename, result)
         return JSONResponse(result)
 
-    async def reload(request: Request) -> Response:
-        name = request.path_params["name"]
-        if name != holder.name:
-            raise ProtocolError(f"unknown model {name!r}: this server serves {holder.name!r}", 404)
-        await read_body(request)  # accepted and ignored: the model source is the one the server started with
-        return await do_reload()
+    async def send_to_review(self, data: bytes, filename: str, result: dict[str, Any]) -> None:
+        """Copy the image to review/<class>/ under a unique timestamped name, with its result row."""
+        stem = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:8]
+        name = stem + image_suffix(data)
+        row = {k: result[k] for k in ("class", "probabilities", "defect_score", "decision", "model_version")}
+        row["filename"] = filename
+        await run_in_threadpool(self.queue.add, data, name, result["class"], row, result["review_reasons"])
+        self.metrics.review_queued.inc()
+        self.metrics.review_queue_size.inc()
 
-    async def do_reload() -> Response:
+    # --- model repository --------------------------------------------------------------------------
+    async def reload(self, request: Request) -> Response:
+        name = request.path_params["name"]
+        if name != self.holder.name:
+            raise ProtocolError(f"unknown model {name!r}: this server serves {self.holder.name!r}", 404)
+        await self.read_body(request)  # accepted and ignored: the model source is the one the server started with
+        return await self.do_reload()
+
+    async def do_reload(self) -> Response:
+        """Load the model source again; on any failure the old model keeps serving (422)."""
+        holder = self.holder
         try:
             old, new = await holder.reload()
         except Exception as exc:  # noqa: BLE001 (any failure to load leaves the old model serving)
-            metrics.reloads.labels("failed").inc()
+            self.metrics.reloads.labels("failed").inc()
             log.error("reload failed, still serving version %s: %s", holder.runner.version, exc)
             return error(422, f"reload failed, still serving version {holder.runner.version}: {exc}")
-        metrics.reloads.labels("ok").inc()
-        publish_model()
+        self.metrics.reloads.labels("ok").inc()
+        self.publish_model()
         log.info("reloaded %s: version %s -> %s", holder.name, old, new)
         return JSONResponse({"name": holder.name, "previous_version": old, "version": new})
 
-    # --- errors: always JSON, always 4xx for the client's mistakes ---------------------------------
-    async def protocol_error(request: Request, exc: ProtocolError) -> Response:
-        return error(exc.status, str(exc))
 
-    async def unexpected(request: Request, exc: Exception) -> Response:
-        log.exception("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
-        return error(500, f"internal error ({type(exc).__name__}); the server logged the details")
-
-    async def http_error(request: Request, exc: HTTPException) -> Response:
-        message = {404: f"no route {request.url.path!r}", 405: f"method {request.method} not allowed here"}
-        return error(exc.status_code, message.get(exc.status_code, exc.detail))
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        batcher.start()
-        loop = asyncio.get_running_loop()
-        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # not in the main thread
-            loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(do_reload()))
-        log.info(
-            "serving %s version %s on %s (max batch %d, queue delay %.1f ms)",
-            holder.name,
-            holder.runner.version,
-            holder.runner.providers,
-            cfg.max_batch_size,
-            cfg.max_queue_delay_ms,
-        )
-        yield
-        await batcher.stop()
-
+def register_v2_endpoints(app: Starlette, endpoints: V2Endpoints) -> None:
+    """Every route of the server, in one place (GET unless marked; see the module docstring)."""
     model = "/v2/models/{name}"
     versioned = "/v2/models/{name}/versions/{version}"
-    routes = [
-        Route("/v2/health/live", live),
-        Route("/v2/health/ready", ready),
-        Route("/v2", server_metadata),
-        Route(model, model_meta),
-        Route(versioned, model_meta),
-        Route(model + "/ready", model_ready),
-        Route(versioned + "/ready", model_ready),
-        Route(model + "/infer", infer, methods=["POST"]),
-        Route(versioned + "/infer", infer, methods=["POST"]),
-        Route(model + "/classify", classify, methods=["POST"]),
-        Route("/v2/repository/models/{name}/load", reload, methods=["POST"]),
-        Route("/metrics", prometheus),
-    ]
-    app = Starlette(
-        routes=routes,
-        exception_handlers={ProtocolError: protocol_error, HTTPException: http_error, Exception: unexpected},
-        lifespan=lifespan,
-    )
-    app.state.batcher, app.state.metrics, app.state.holder = batcher, metrics, holder
-    return Guard(app, metrics, cfg.token)
+    post = ["POST"]
+    app.add_route("/v2/health/live", endpoints.live)
+    app.add_route("/v2/health/ready", endpoints.ready)
+    app.add_route("/v2", endpoints.server_metadata)
+    app.add_route(model, endpoints.model_meta)
+    app.add_route(versioned, endpoints.model_meta)
+    app.add_route(model + "/ready", endpoints.model_ready)
+    app.add_route(versioned + "/ready", endpoints.model_ready)
+    app.add_route(model + "/infer", endpoints.infer, methods=post)
+    app.add_route(versioned + "/infer", endpoints.infer, methods=post)
+    app.add_route(model + "/classify", endpoints.classify, methods=post)
+    app.add_route("/v2/repository/models/{name}/load", endpoints.reload, methods=post)
+    app.add_route("/metrics", endpoints.prometheus)
+
+
+# --- errors: always JSON, always 4xx for the client's mistakes -------------------------------------
+async def protocol_error(request: Request, exc: ProtocolError) -> Response:
+    return error(exc.status, str(exc))
+
+
+async def http_error(request: Request, exc: HTTPException) -> Response:
+    message = {404: f"no route {request.url.path!r}", 405: f"method {request.method} not allowed here"}
+    return error(exc.status_code, message.get(exc.status_code, exc.detail))
+
+
+async def unexpected(request: Request, exc: Exception) -> Response:
+    log.exception("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error(500, f"internal error ({type(exc).__name__}); the server logged the details")
+
+
+EXCEPTION_HANDLERS = {ProtocolError: protocol_error, HTTPException: http_error, Exception: unexpected}
+
+
+def create_app(holder: ModelHolder, cfg: ServerConfig, metrics: Metrics | None = None) -> Guard:
+    """The ASGI app: the v2 endpoints, behind the bearer-token check and request metrics (``Guard``)."""
+    endpoints = V2Endpoints(holder, cfg, metrics or Metrics())
+    app = Starlette(exception_handlers=EXCEPTION_HANDLERS, lifespan=endpoints.lifespan)
+    register_v2_endpoints(app, endpoints)
+    app.state.batcher, app.state.metrics, app.state.holder = endpoints.batcher, endpoints.metrics, holder
+    return Guard(app, endpoints.metrics, cfg.token)
 
 
 def serve(cfg: ServerConfig) -> None:
     """Load and warm up the model, then serve until SIGINT/SIGTERM (finishing in-flight requests)."""
-    import uvicorn
-
     holder = ModelHolder(cfg)
     app = create_app(holder, cfg)
     if cfg.host not in ("127.0.0.1", "localhost", "::1") and not cfg.token:

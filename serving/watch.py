@@ -28,6 +28,23 @@ from serving.runner import Runner
 
 log = logging.getLogger(__name__)
 
+try:  # optional: without watchdog the loop polls the inbox
+    from watchdog.events import FileSystemEventHandler
+    from watchdog.observers import Observer
+except ImportError:  # pragma: no cover
+    FileSystemEventHandler, Observer = object, None
+
+
+class _Wake(FileSystemEventHandler):
+    """Sets ``event`` on any file event in the watched folder, so the loop rescans at once."""
+
+    def __init__(self, event: threading.Event) -> None:
+        super().__init__()
+        self.event = event
+
+    def on_any_event(self, event) -> None:
+        self.event.set()
+
 
 class Watcher:
     def __init__(
@@ -98,20 +115,12 @@ class Watcher:
     def run(self, once: bool = False, poll: float = 0.5) -> dict[str, int]:
         """Watch until stopped (or, with ``once``, until the inbox is empty); return the counts."""
         observer = None
-        if not once:
-            try:
-                from watchdog.events import FileSystemEventHandler
-                from watchdog.observers import Observer
-
-                class Wake(FileSystemEventHandler):
-                    def on_any_event(inner, event):  # noqa: N805 (watchdog's handler signature)
-                        self.wake.set()
-
-                observer = Observer()
-                observer.schedule(Wake(), str(self.inbox), recursive=True)
-                observer.start()
-            except ImportError:
-                log.warning("watchdog is not installed: polling the inbox every %.1f s", poll)
+        if not once and Observer is None:
+            log.warning("watchdog is not installed: polling the inbox every %.1f s", poll)
+        elif not once:
+            observer = Observer()
+            observer.schedule(_Wake(self.wake), str(self.inbox), recursive=True)
+            observer.start()
         log.info("watching %s (results: %s)", self.inbox, self.results)
         try:
             while not self.stop.is_set():
