@@ -1,22 +1,34 @@
 """Typed, frozen views of ``params.yaml``.
 
-Every section of ``params.yaml`` maps one-to-one onto a frozen dataclass below. ``load_params`` is
-strict: a missing key, an unknown key or a value of the wrong type stops with a ``ConfigError``
-that names the key (``train.lr: expected float, got 'fast'``), so a typo never silently falls back
-to a default. Library code takes these objects, never a raw dict.
+Every section of ``params.yaml`` maps one-to-one onto a frozen dataclass below, and pydantic checks the
+raw YAML against them. ``load_params`` is strict: a missing key, an unknown key or a value of the wrong
+type stops with a ``ConfigError`` that names the key, one line per problem
+(``params.yaml: train.lr: expected a number, got 'fast'``), so a typo never silently falls back to a
+default. Library code takes these objects, never a raw dict.
+
+Why plain dataclasses checked by a pydantic ``TypeAdapter``, not pydantic models or
+``pydantic.dataclasses``: the objects stay what they were, so positional construction
+(``ModelConfig(name, "false", 0.0, ...)``), ``dataclasses.replace`` and ``dataclasses.asdict`` (used by the
+stages, the tests and ``as_flat_dict``, hence the training fingerprint) work unchanged, and building one in
+code checks nothing, as before. pydantic checks params where they come in (``params_from_dict``): the
+types through the annotations (``Int``, ``Float``, ``Str``: YAML's loose scalars made strict, as the
+hand-written checker was), then the rules a type cannot say (``_problems``), and ``load_params`` the files
+that params name.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import types
+import inspect
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, TypeVar, dataclass_transform
 
 import yaml
+from pydantic import BeforeValidator, ConfigDict, Strict, TypeAdapter, ValidationError, with_config
+from pydantic_core import ErrorDetails, PydanticCustomError
 
 
 class ConfigError(ValueError):
@@ -29,170 +41,205 @@ class StageError(RuntimeError):
     stage can catch it without importing the heavy module that raises it."""
 
 
-@dataclass(frozen=True)
+def _yaml_word(value: Any) -> Any:
+    """YAML reads ``false`` as a bool and ``0.5`` as a number where a string is meant: keep the user's word."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value) if isinstance(value, int | float) else value
+
+
+def _exact_int(value: Any) -> Any:
+    """pydantic's Literal[1, 3] takes true and 1.0 as 1; params.yaml means the integer."""
+    if isinstance(value, bool | float):
+        raise PydanticCustomError("literal_error", "not an integer")
+    return value
+
+
+Int = Annotated[int, Strict()]  # 2.5, "2" and true are errors, not 2 and 1
+Float = Annotated[float, Strict()]  # an integer widens (4 -> 4.0); "fast" and true are errors
+Bool = Annotated[bool, Strict()]  # true or false only
+Str = Annotated[str, BeforeValidator(_yaml_word), Strict()]  # false and 0.5 stay the words "false", "0.5"
+Variant = Literal["fp32", "fp16", "int8"]  # the export's ONNX variants
+SYNTHETIC_CLASSES = ("ok", "scratch", "spot", "crack")  # pipeline/data/synthetic.py's CLASSES (config imports none)
+
+T = TypeVar("T")
+
+
+@dataclass_transform(frozen_default=True, field_specifiers=(field,))
+def section(cls: type[T]) -> type[T]:
+    """A frozen dataclass of one params section; pydantic refuses keys it does not declare."""
+    return with_config(ConfigDict(extra="forbid"))(dataclass(frozen=True)(cls))
+
+
+@section
 class SyntheticConfig:
-    counts: dict[str, int]  # images per class; "ok" plus any of scratch, spot, crack
-    image_size: int  # side of the square images the generator writes
+    counts: dict[Str, Int]  # images per class; "ok" plus any of scratch, spot, crack
+    image_size: Int  # side of the square images the generator writes
 
 
-@dataclass(frozen=True)
+@section
 class DataConfig:
-    source: str  # "synthetic" or a folder with one subfolder per class
-    ok_class: str  # the class that means "no defect"
-    channels: Literal[1, 3]  # channels the model sees; images are converted to this
-    seed: int
+    source: Str  # "synthetic" or a folder with one subfolder per class
+    ok_class: Str  # the class that means "no defect"
+    channels: Annotated[Literal[1, 3], BeforeValidator(_exact_int)]  # channels the model sees; images are converted
+    seed: Int
     synthetic: SyntheticConfig
 
 
-@dataclass(frozen=True)
+@section
 class ValidateConfig:
-    min_side: int  # smaller images are quarantined
-    max_pixels: int  # larger images are refused before decoding (decompression bombs)
-    min_per_class: int  # the gate fails if an accepted class has fewer images
-    max_bad_fraction: float  # the gate fails if a larger share of files is quarantined
-    max_label_conflicts: int  # the gate fails if more files show the same content under two labels
-    near_duplicate_bits: int  # perceptual hashes (256 bits) this close are one near-duplicate group
+    min_side: Int  # smaller images are quarantined
+    max_pixels: Int  # larger images are refused before decoding (decompression bombs)
+    min_per_class: Int  # the gate fails if an accepted class has fewer images
+    max_bad_fraction: Float  # the gate fails if a larger share of files is quarantined
+    max_label_conflicts: Int  # the gate fails if more files show the same content under two labels
+    near_duplicate_bits: Int  # perceptual hashes (256 bits) this close are one near-duplicate group
 
 
-@dataclass(frozen=True)
+@section
 class SplitConfig:
-    val: float
-    test: float
+    val: Float
+    test: Float
 
 
-@dataclass(frozen=True)
+@section
 class PrepareConfig:
-    image_size: int  # model input side, pixels
+    image_size: Int  # model input side, pixels
     resize: Literal["letterbox", "squash"]
     split: SplitConfig
 
 
-@dataclass(frozen=True)
+@section
 class AugmentConfig:
-    policy: list[dict[str, Any]]  # albumentations transforms: [{name: HorizontalFlip, p: 0.5}, ...]
-    preview_per_class: int
-    balance: float  # raise each class to this share of the largest in train, with augmented copies; 0 = off
+    policy: list[dict[Str, Any]]  # albumentations transforms: [{name: HorizontalFlip, p: 0.5}, ...]
+    preview_per_class: Int
+    balance: Float  # raise each class to this share of the largest in train, with augmented copies; 0 = off
     orientation: Literal["auto", "free", "fixed"]  # the policy's flips and turns: kept, dropped, or as the images say
 
 
-@dataclass(frozen=True)
+@section
 class ModelConfig:
-    name: str  # a timm model name
-    pretrained: str  # "false", "hub" or a path to a local weights file
-    drop_rate: float
+    name: Str  # a timm model name
+    pretrained: Str  # "false", "hub" or a path to a local weights file
+    drop_rate: Float
     global_pool: Literal["avg", "max", "avgmax"]  # max keeps a small defect from being averaged away
     input_norm: Literal["dataset", "per_image"]  # per_image: standardize each image (lighting-invariant)
 
 
-@dataclass(frozen=True)
+@section
 class TrainConfig:
-    epochs: int
-    batch_size: int  # per process
-    lr: float
-    weight_decay: float
-    warmup_epochs: int
-    label_smoothing: float
-    focal_gamma: float  # focal loss: (1 - p(true class)) ** gamma scales each image's cross-entropy; 0 = plain
-    ranking_loss: float  # weight of a pairwise defect-vs-OK ranking term added to the cross-entropy; 0 = off
-    mask_loss: float  # weight of the mask head's loss (where the data has defect masks); 0 = off
-    grad_clip: float  # max global gradient norm; 0 = off
-    ema: float  # decay of the exponential moving average of the weights; 0 = off
+    epochs: Int
+    batch_size: Int  # per process
+    lr: Float
+    weight_decay: Float
+    warmup_epochs: Int
+    label_smoothing: Float
+    focal_gamma: Float  # focal loss: (1 - p(true class)) ** gamma scales each image's cross-entropy; 0 = plain
+    ranking_loss: Float  # weight of a pairwise defect-vs-OK ranking term added to the cross-entropy; 0 = off
+    mask_loss: Float  # weight of the mask head's loss (where the data has defect masks); 0 = off
+    grad_clip: Float  # max global gradient norm; 0 = off
+    ema: Float  # decay of the exponential moving average of the weights; 0 = off
     # picks the kept model and drives early stopping; last: the final epoch (the end of the cosine schedule)
     monitor: Literal["val_loss", "val_auc", "val_recall_at_far", "last"]
-    early_stopping_patience: int  # epochs without a better monitor value before stopping; 0 = off
+    early_stopping_patience: Int  # epochs without a better monitor value before stopping; 0 = off
     class_weighting: Literal["none", "loss", "sampling"]  # for imbalanced classes
-    majority_per_epoch: float  # share of the most frequent class's images drawn anew in each epoch; 1 = all
+    majority_per_epoch: Float  # share of the most frequent class's images drawn anew in each epoch; 1 = all
     precision: Literal["auto", "fp32", "fp16", "bf16"]
     device: Literal["auto", "cpu", "cuda"]
-    channels_last: bool  # weights in channels_last (NHWC) memory layout, like the uint8 NHWC input
-    compile: bool  # torch.compile the model
+    channels_last: Bool  # weights in channels_last (NHWC) memory layout, like the uint8 NHWC input
+    compile: Bool  # torch.compile the model
     distributed: Literal["none", "ddp", "fsdp"]
-    processes: int  # processes on this machine; ddp/fsdp launch themselves through torchrun
-    checkpoint_every_steps: int  # also checkpoint inside an epoch; 0 = at the end of each epoch only
-    keep_last: int  # training checkpoints kept
-    keep_best: int  # consolidated best models kept (by the monitor)
+    processes: Int  # processes on this machine; ddp/fsdp launch themselves through torchrun
+    checkpoint_every_steps: Int  # also checkpoint inside an epoch; 0 = at the end of each epoch only
+    keep_last: Int  # training checkpoints kept
+    keep_best: Int  # consolidated best models kept (by the monitor)
     on_mismatch: Literal["restart", "stop"]  # a checkpoint of other params or data: start fresh, or stop
-    num_workers: int
-    threads: int  # torch intra-op threads on CPU; 0 = torch's default
-    seed: int
-    ensemble: int  # members trained with seeds seed, seed+1, ...; the model is the mean of their probabilities
+    num_workers: Int
+    threads: Int  # torch intra-op threads on CPU; 0 = torch's default
+    seed: Int
+    ensemble: Int  # members trained with seeds seed, seed+1, ...; the model is the mean of their probabilities
     # per member, param changes ({"augment.policy": [...], "train.lr": ...}); [] = every member the same
-    ensemble_members: list[dict[str, Any]]
-    init_from: str  # none, champion (the registry's champion weights) or the path of a model.pt
+    ensemble_members: list[dict[Str, Any]]
+    init_from: Str  # none, champion (the registry's champion weights) or the path of a model.pt
 
 
-@dataclass(frozen=True)
+def _yaml_off(value: Any) -> Any:
+    return "off" if value is False else value  # YAML 1.1 reads a bare off (or no) as false
+
+
+@section
 class TilesConfig:
-    use: Literal["auto", "off"]  # auto: a tile model where the data has defect masks; off: whole images only
-    weight: float  # share of the image's most suspicious tile in the fused probabilities
-    keep_members: list[int]  # the train.ensemble members trained beside the tile model (the others are not)
-    min_mask_pixels: int  # a training tile is a defect where its mask covers this many pixels (OK: none)
-    recipe: dict[str, Any]  # the tile model's param changes (model.*, train.* keys), like a member's
+    # auto: a tile model where the data has defect masks; off: whole images only
+    use: Annotated[Literal["auto", "off"], BeforeValidator(_yaml_off)]
+    weight: Float  # share of the image's most suspicious tile in the fused probabilities
+    keep_members: list[Int]  # the train.ensemble members trained beside the tile model (the others are not)
+    min_mask_pixels: Int  # a training tile is a defect where its mask covers this many pixels (OK: none)
+    recipe: dict[Str, Any]  # the tile model's param changes (model.*, train.* keys), like a member's
 
 
-@dataclass(frozen=True)
+@section
 class EvaluateConfig:
-    target_defect_recall: float  # the threshold is chosen on the val split to reach this recall
-    max_false_alarm_rate: float  # also reported: test recall at the val threshold that keeps this FAR
-    heatmaps_per_class: int  # test images per class drawn with their Grad-CAM heatmap (0 = off)
+    target_defect_recall: Float  # the threshold is chosen on the val split to reach this recall
+    max_false_alarm_rate: Float  # also reported: test recall at the val threshold that keeps this FAR
+    heatmaps_per_class: Int  # test images per class drawn with their Grad-CAM heatmap (0 = off)
 
 
-@dataclass(frozen=True)
+@section
 class Int8Config:
-    calibration_images: int  # drawn from the training split
+    calibration_images: Int  # drawn from the training split
     calibration_method: Literal["MinMax", "Entropy", "Percentile"]
-    per_channel: bool  # per-output-channel weight scales
-    op_types: list[str]  # op types quantized; all others stay float
-    exclude_nodes: list[str]  # node names kept float even if their op type is listed
+    per_channel: Bool  # per-output-channel weight scales
+    op_types: list[Str]  # op types quantized; all others stay float
+    exclude_nodes: list[Str]  # node names kept float even if their op type is listed
 
 
-@dataclass(frozen=True)
+@section
 class ExportConfig:
-    opset: int
-    max_abs_diff: float  # fp32 ONNX vs PyTorch, on class probabilities
-    variants: list[Literal["fp32", "fp16", "int8"]]  # fp32 is always made
+    opset: Int
+    max_abs_diff: Float  # fp32 ONNX vs PyTorch, on class probabilities
+    variants: list[Variant]  # fp32 is always made
     int8: Int8Config
-    max_defect_recall_drop: float  # a variant losing more defect recall than this vs fp32 is not deployable
-    max_accuracy_drop: float
-    max_false_alarm_rise: float  # the most the share of test OK images flagged at the card's threshold may rise
-    min_speedup: dict[str, float]  # per variant, batch-1 latency vs fp32 on this machine's provider
-    latency_repeats: int
+    max_defect_recall_drop: Float  # a variant losing more defect recall than this vs fp32 is not deployable
+    max_accuracy_drop: Float
+    max_false_alarm_rise: Float  # the most the share of test OK images flagged at the card's threshold may rise
+    min_speedup: dict[Variant, Float]  # per variant, batch-1 latency vs fp32 on this machine's provider
+    latency_repeats: Int
 
 
-@dataclass(frozen=True)
+@section
 class BenchmarkConfig:
-    batch_sizes: list[int]
-    repeats: int
-    warmup: int
-    max_images: int
-    rounds: int  # interleaved rounds for the end-to-end and HTTP comparisons
-    http_concurrency: int  # closed-loop HTTP clients against `defect-runner serve`
-    http_seconds: float  # per contender per round
+    batch_sizes: list[Int]
+    repeats: Int
+    warmup: Int
+    max_images: Int
+    rounds: Int  # interleaved rounds for the end-to-end and HTTP comparisons
+    http_concurrency: Int  # closed-loop HTTP clients against `defect-runner serve`
+    http_seconds: Float  # per contender per round
 
 
-@dataclass(frozen=True)
+@section
 class PromoteRule:
     metric: Literal["defect_recall", "false_alarm_rate", "accuracy", "binary_accuracy"]
     better: Literal["higher", "lower"]
-    tolerance: float  # differences up to this are a tie; the next rule decides
+    tolerance: Float  # differences up to this are a tie; the next rule decides
 
 
-@dataclass(frozen=True)
+@section
 class PromoteConfig:
-    model_name: str  # the registered model in the MLflow model registry
+    model_name: Str  # the registered model in the MLflow model registry
     provider: Literal["cuda", "cpu"]  # whose recommended export variant is registered (the line's runners)
     rules: list[PromoteRule]  # in order; the first rule that is not a tie decides
-    promote_on_tie: bool  # when every rule ties: move the champion to the newer model or keep it
-    max_false_alarm_rate: float  # above this a model does not discriminate: never promoted, loses its title
+    promote_on_tie: Bool  # when every rule ties: move the champion to the newer model or keep it
+    max_false_alarm_rate: Float  # above this a model does not discriminate: never promoted, loses its title
 
 
-@dataclass(frozen=True)
+@section
 class MlflowConfig:
-    tracking_uri: str
-    experiment: str
+    tracking_uri: Str
+    experiment: Str
 
 
-@dataclass(frozen=True)
+@section
 class Params:
     data: DataConfig
     validate: ValidateConfig
@@ -206,115 +253,130 @@ class Params:
     benchmark: BenchmarkConfig
     promote: PromoteConfig
     mlflow: MlflowConfig
-    source_file: str = field(default="params.yaml", compare=False)
+    source_file: str = field(default="params.yaml", compare=False)  # set by the loader, not a params.yaml key
 
 
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+_SCHEMA = TypeAdapter(Params)
+
+# What each pydantic error type of a wrong value expected, in the words of params.yaml.
+_EXPECTED = {
+    "int_type": "an integer",
+    "float_type": "a number",
+    "string_type": "a string",
+    "bool_type": "true or false",
+    "list_type": "a list",
+    "dict_type": "a mapping",
+    "dataclass_type": "a mapping",
+}
 
 
-def _convert(value: Any, tp: Any, key: str) -> Any:
-    """Check ``value`` against the annotation ``tp``; return it (ints widened to float where asked)."""
-    origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, key)
-    if origin is Literal:
-        allowed = typing.get_args(tp)
-        if value is False and "off" in allowed:  # YAML 1.1 reads a bare off (or no) as false
-            value = "off"
-        if value not in allowed or type(value) is not type(allowed[0]):  # noqa: E721 (1 != True here)
-            raise ConfigError(f"{key}: expected one of {list(allowed)}, got {value!r}")
-        return value
-    if origin in (typing.Union, types.UnionType):
-        for arg in typing.get_args(tp):
-            try:
-                return _convert(value, arg, key)
-            except ConfigError:
-                continue
-        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
-        (item_tp,) = typing.get_args(tp)
-        return [_convert(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-        k_tp, v_tp = typing.get_args(tp)
-        return {_convert(k, k_tp, key): _convert(v, v_tp, f"{key}.{k}") for k, v in value.items()}
-    if tp is Any:
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
-        return float(value)
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
-        return value
-    if tp is str:
-        if isinstance(value, bool):  # YAML reads `false` as a bool; keep the user's word
-            return str(value).lower()
-        if not isinstance(value, (str, int, float)):
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
-        return str(value)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key}: expected true or false, got {value!r}")
-        return value
-    raise TypeError(f"unsupported annotation {tp!r} at {key}")  # a bug in this file, not in params
+def _annotation_at(loc: tuple) -> Any:
+    """The type params.yaml's value at pydantic's ``loc`` (keys and list indices) must have."""
+    tp: Any = Params
+    for part in loc:
+        # a section's field (Annotated stripped: Int is int), or list[item] / dict[key, value]'s value type
+        tp = typing.get_type_hints(tp).get(part, Any) if dataclasses.is_dataclass(tp) else typing.get_args(tp)[-1]
+    return tp
 
 
-def _build(cls: type, raw: Any, prefix: str) -> Any:
-    where = prefix or "params.yaml"
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: expected a mapping, got {raw!r}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init and f.name != "source_file"}
-    unknown = sorted(set(raw) - set(fields))
-    if unknown:
-        known = ", ".join(sorted(fields))
-        raise ConfigError(f"{prefix + '.' if prefix else ''}{unknown[0]}: unknown key (known here: {known})")
-    kwargs = {}
-    for name, f in fields.items():
-        key = f"{prefix}.{name}" if prefix else name
-        if name not in raw:
-            if f.default is not dataclasses.MISSING:
-                continue
-            raise ConfigError(f"{key}: missing key")
-        kwargs[name] = _convert(raw[name], hints[name], key)
-    return cls(**kwargs)
+def _problem(err: ErrorDetails) -> str:
+    """One pydantic error as one line naming the dotted key: ``train.lr: expected a number, got 'fast'``."""
+    loc, got, kind = err["loc"], err["input"], err["type"]
+    in_key = loc[-1:] == ("[key]",)  # a mapping's key is wrong, not its value: name the mapping
+    loc = loc[:-2] if in_key else loc
+    key = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
+    if kind == "missing":
+        what = "missing key"
+    elif kind in ("unexpected_keyword_argument", "extra_forbidden"):
+        known = sorted(f.name for f in dataclasses.fields(_annotation_at(loc[:-1])) if f.name != "source_file")
+        what = f"unknown key (known here: {', '.join(known)})"
+    elif kind == "literal_error":
+        tp = _annotation_at(loc)
+        what = f"expected one of {list(typing.get_args(typing.get_args(tp)[0] if in_key else tp))}, got {got!r}"
+    elif kind in _EXPECTED:
+        what = f"expected {_EXPECTED[kind]}, got {got!r}"
+    else:  # a type this file does not use yet: pydantic's own words
+        what = f"{err['msg']}, got {got!r}"
+    return f"{key}: {what}" if key else what
+
+
+def _error(source_file: str, problems: list[str]) -> ConfigError:
+    return ConfigError("\n".join(f"{source_file}: {p}" for p in problems))
 
 
 def params_from_dict(raw: dict, source_file: str = "params.yaml", derived: bool = True) -> Params:
     """``derived``: also check the params each ensemble member and the tile model train with."""
+    if isinstance(raw, dict) and "source_file" in raw:  # a field of Params, but the loader's, not the user's
+        raise _error(source_file, ["source_file: unknown key (set by the loader, not in params.yaml)"])
     try:
-        params = _build(Params, raw, "")
-    except ConfigError as exc:
-        raise ConfigError(f"{source_file}: {exc}") from None
+        params = _SCHEMA.validate_python(raw)
+    except ValidationError as exc:
+        raise _error(source_file, [_problem(err) for err in exc.errors()]) from None
     params = dataclasses.replace(params, source_file=source_file)
-    _check_values(params)
-    if derived:  # each member's and the tile model's params are checked now, not hours later
+    if problems := _problems(params):
+        raise _error(source_file, problems)
+    if derived:  # the tile model's and each member's params are checked now, not hours later
+        tile_params(params)
         for k in range(len(params.train.ensemble_members)):
             member_params(params, k)
-        tile_params(params)
     return params
 
 
-def _check_values(p: Params) -> None:
-    """Cross-field rules that a type alone cannot say."""
+def _problems(p: Params) -> list[str]:
+    """The rules that a type alone cannot say, one line each."""
+    return [*_data_problems(p), *_train_problems(p.train), *_tiles_problems(p), *_output_problems(p)]
+
+
+def _data_problems(p: Params) -> list[str]:
     problems = []
     if p.prepare.split.val <= 0 or p.prepare.split.test <= 0 or p.prepare.split.val + p.prepare.split.test >= 0.9:
         problems.append("prepare.split: val and test must be > 0 and leave at least 10% for train")
     if p.prepare.image_size < 32:
         problems.append(f"prepare.image_size: must be at least 32 (EfficientNet), got {p.prepare.image_size}")
-    if not 0 < p.evaluate.target_defect_recall <= 1:
-        problems.append("evaluate.target_defect_recall: must be in (0, 1]")
-    if p.data.source == "synthetic" and p.data.ok_class not in p.data.synthetic.counts:
+    counts = p.data.synthetic.counts
+    if p.data.source == "synthetic" and p.data.ok_class not in counts:
         problems.append(f"data.ok_class: {p.data.ok_class!r} is not a class of data.synthetic.counts")
-    t = p.train
+    if p.data.source == "synthetic" and (set(counts) - set(SYNTHETIC_CLASSES) or min(counts.values(), default=0) < 0):
+        problems.append(f"data.synthetic.counts: the generator's classes are {', '.join(SYNTHETIC_CLASSES)}, each "
+                        f"with a count >= 0; got {counts}")  # fmt: skip
+    if p.augment.policy:
+        problems += _policy_problems(p.augment.policy, "augment.policy")
+    return problems
+
+
+def _policy_problems(specs: Any, key: str) -> list[str]:
+    """Each transform of an augment policy names an albumentations transform and only arguments it takes,
+    as pipeline/data/augment.py will ask when it builds the policy (nested ``transforms`` too)."""
+    import albumentations as A  # here, not at the top: 1.7-2.8 s to import (it imports torch), measured here
+
+    if not isinstance(specs, list):
+        return [f"{key}: expected a list of transforms, got {specs!r}"]
+    problems = []
+    for i, spec in enumerate(specs):
+        where = f"{key}[{i}]"
+        if not isinstance(spec, dict) or "name" not in spec:
+            problems.append(f"{where}: expected a mapping with a 'name' key, got {spec!r}")
+            continue
+        cls = getattr(A, str(spec["name"]), None)
+        if not (isinstance(cls, type) and issubclass(cls, A.BasicTransform | A.BaseCompose)):
+            problems.append(f"{where}.name: {spec['name']!r} is not an albumentations transform")
+            continue
+        accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "args", "kwargs"}
+        unknown = sorted(set(spec) - accepted - {"name"})
+        if unknown:
+            problems.append(f"{where}: {spec['name']} has no argument {unknown[0]!r} (it takes: "
+                            f"{', '.join(sorted(accepted))})")  # fmt: skip
+        if "transforms" in spec:
+            problems += _policy_problems(spec["transforms"], f"{where}.transforms")
+    return problems
+
+
+def _train_problems(t: TrainConfig) -> list[str]:
+    problems = []
     if t.epochs < 1 or t.batch_size < 1:
         problems.append("train.epochs and train.batch_size must be at least 1")
+    if t.lr < 0:  # 0 is allowed: the tests train a model that learns nothing on purpose
+        problems.append(f"train.lr: must be >= 0 (0 = the weights never change), got {t.lr}")
     if t.processes < 1:
         problems.append(f"train.processes: must be at least 1, got {t.processes}")
     if t.ensemble < 1:
@@ -332,18 +394,6 @@ def _check_values(p: Params) -> None:
                     "model.* and train.* "
                     f"keys other than {', '.join(MEMBER_FIXED)} (the data and the export are the ensemble's)"
                 )
-    tl = p.tiles
-    if not 0 < tl.weight <= 1:
-        problems.append(f"tiles.weight: a share in (0, 1], got {tl.weight}")
-    if not tl.keep_members or any(not 0 <= k < t.ensemble for k in tl.keep_members):
-        problems.append(f"tiles.keep_members: indices of train.ensemble's members (0..{t.ensemble - 1}), at least "
-                        f"one; got {tl.keep_members}")  # fmt: skip
-    if tl.min_mask_pixels < 1:
-        problems.append(f"tiles.min_mask_pixels: at least 1, got {tl.min_mask_pixels}")
-    for key in tl.recipe:
-        if not key.startswith(("train.", "model.")) or key in MEMBER_FIXED:
-            problems.append(f"tiles.recipe: {key}: the tile model may change model.* and train.* keys other than "
-                            f"{', '.join(MEMBER_FIXED)}")  # fmt: skip
     if t.processes > 1 and t.distributed == "none":
         problems.append("train.processes: more than 1 process needs train.distributed: ddp or fsdp")
     if t.monitor == "last" and t.early_stopping_patience:
@@ -367,16 +417,40 @@ def _check_values(p: Params) -> None:
         problems.append(f"train.ema: a decay in [0, 1), got {t.ema}")
     if t.keep_last < 1 or t.keep_best < 1:
         problems.append("train.keep_last and train.keep_best must be at least 1")
+    return problems
+
+
+def _tiles_problems(p: Params) -> list[str]:
+    problems, tl, t = [], p.tiles, p.train
+    if not 0 < tl.weight <= 1:
+        problems.append(f"tiles.weight: a share in (0, 1], got {tl.weight}")
+    if not tl.keep_members or any(not 0 <= k < t.ensemble for k in tl.keep_members):
+        problems.append(f"tiles.keep_members: indices of train.ensemble's members (0..{t.ensemble - 1}), at least "
+                        f"one; got {tl.keep_members}")  # fmt: skip
+    if tl.min_mask_pixels < 1:
+        problems.append(f"tiles.min_mask_pixels: at least 1, got {tl.min_mask_pixels}")
+    for key in tl.recipe:
+        if not key.startswith(("train.", "model.")) or key in MEMBER_FIXED:
+            problems.append(f"tiles.recipe: {key}: the tile model may change model.* and train.* keys other than "
+                            f"{', '.join(MEMBER_FIXED)}")  # fmt: skip
+    return problems
+
+
+def _output_problems(p: Params) -> list[str]:
+    problems = []
+    if not 0 < p.evaluate.target_defect_recall <= 1:
+        problems.append("evaluate.target_defect_recall: must be in (0, 1]")
+    if p.evaluate.heatmaps_per_class < 0:
+        problems.append("evaluate.heatmaps_per_class: must be >= 0 (0 = no heatmaps)")
+    if not p.benchmark.batch_sizes or min(p.benchmark.batch_sizes) < 1:
+        problems.append(f"benchmark.batch_sizes: at least one, each at least 1; got {p.benchmark.batch_sizes}")
     if not p.promote.rules:
         problems.append("promote.rules: at least one rule (e.g. {metric: defect_recall, better: higher, tolerance: 0})")
     if any(r.tolerance < 0 for r in p.promote.rules):
         problems.append("promote.rules: every tolerance must be >= 0")
     if not 0 < p.promote.max_false_alarm_rate <= 1:
         problems.append(f"promote.max_false_alarm_rate: must be in (0, 1], got {p.promote.max_false_alarm_rate}")
-    if p.evaluate.heatmaps_per_class < 0:
-        problems.append("evaluate.heatmaps_per_class: must be >= 0 (0 = no heatmaps)")
-    if problems:
-        raise ConfigError(f"{p.source_file}: " + "; ".join(problems))
+    return problems
 
 
 # The keys an ensemble member cannot change: they define the ensemble itself or how it is launched.
@@ -437,7 +511,32 @@ def load_params(path: str | Path = "params.yaml") -> Params:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    return params_from_dict(raw or {}, str(path))
+    params = params_from_dict(raw or {}, str(path))
+    problems = _file_problems(params)
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return params
+
+
+def _file_problems(p: Params) -> list[str]:
+    """The folder and weights files params name exist where the stages will look: a relative path is read
+    from the working directory, as the stages read it (they run in the project root, beside params.yaml).
+    Each line starts with the key (the ingest stage's own words), then names the params file."""
+    where = f"(set in {p.source_file}; working directory {Path.cwd()})"
+    problems = []
+    source = Path(p.data.source)
+    if p.data.source != "synthetic" and not source.is_dir():
+        what = "is not a folder (expected one subfolder per class)" if source.exists() else "does not exist"
+        problems.append(f"data.source: folder {source} {what} {where}")
+    views = {"": p, "tiles.recipe: ": tile_params(p)}
+    views |= {f"train.ensemble_members[{k}]: ": member_params(p, k) for k in range(len(p.train.ensemble_members))}
+    for who, view in views.items():
+        weights = view.model.pretrained
+        if who and weights == p.model.pretrained:
+            continue  # the member or tile model keeps model.pretrained: named once, above
+        if weights not in ("false", "hub", "", "none") and not Path(weights).is_file():
+            problems.append(f"{who}model.pretrained: weights file {weights} not found {where}")
+    return problems
 
 
 def as_flat_dict(obj: Any, prefix: str = "") -> dict[str, Any]:
