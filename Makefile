@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup run test ui lint bench bench-quick bench-train gpu-check tracking-server tracking-server-stop clean
+.PHONY: setup run test test-fast ui lint format bench bench-quick bench-train gpu-check tracking-server tracking-server-stop clean
 
 # The venv is rebuilt when the pinned requirements change. torch 2.14.1 / torchvision 0.29.1 are pinned
 # because they install from this machine's disk; other versions download gigabytes.
@@ -22,8 +22,14 @@ run: setup
 	dvc repro
 	dvc metrics show
 
+# The full suite, what CI runs (~25 min on 2 cores).
 test: setup
 	pytest -q
+
+# The edit loop (under 3 min on 2 cores): unit and small integration tests, no training runs or dvc repro
+# (tests marked slow, or using the session's trained-model fixtures, are left out: tests/conftest.py).
+test-fast: setup
+	pytest -q -m "not slow and not gpu and not real_data"
 
 ui: setup
 	mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1 --port 5000
@@ -35,8 +41,14 @@ tracking-server: setup
 tracking-server-stop:
 	scripts/tracking_server.sh stop
 
+# Style: ruff's linter and formatter (CI runs both checks before the tests).
 lint: setup
 	ruff check .
+	ruff format --check .
+
+format: setup
+	ruff format .
+	ruff check --fix .
 
 # Every performance figure, side by side on this machine (~20 min on 2 cores; needs `make run` first):
 # reports/bench/*.json, reports/bench/README.md (the tables) and reports/bench/bench.png.

@@ -38,17 +38,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline.bench import (  # noqa: E402
-    as_jpeg,
-    batches,
-    end_to_end,
-    http_vs_in_process,
-    interleaved,
-    photographs,
-    timed_for,
-    torch_scorer,
-    variant_files,
-)  # noqa: E402
+from pipeline.export import benchmark as driver  # noqa: E402
+from pipeline.export.timing import as_jpeg, http_vs_in_process, photographs, timed_for  # noqa: E402
 from serving.runner import Runner  # noqa: E402
 
 # Where the pipeline's outputs are (the project by default; tests point it at a tiny copy).
@@ -74,65 +65,25 @@ def machine() -> dict:
 
 
 def test_images(limit: int) -> tuple[np.ndarray, list[Path]]:
-    from pipeline.prepare import load_split
-
-    x, _, paths = load_split(PROJECT / "data/prepared", "test")
-    return x[:limit], [PROJECT / "data/raw/images" / p for p in paths[:limit]]
-
-
-def runners() -> dict[str, Runner]:
-    out = {v: Runner(f, providers="cpu", spin=False, force=True) for v, f in variant_files(EXPORT).items()}
-    return {v: r for v, r in out.items() if r.card.deployable or v == "fp32"}  # fp32 always, others if deployable
+    return driver.Inputs(PROJECT).test_images(limit)
 
 
 # --- sections -------------------------------------------------------------------------------------
 
 
 def inference(quick: bool) -> dict:
-    import torch
-
-    from pipeline.train import load_model, load_tile_model
-
-    x, files = test_images(64 if quick else 256)
-    rs = runners()
-    net, _ = load_model(PROJECT / "models/train/model.pt")
-    card = rs["fp32"].card
-    tiles = load_tile_model(PROJECT / "models/train/model.pt")
-    if card.tiles:  # the runner takes photographs at full resolution: both sides get them (pipeline.bench)
-        x = photographs(rs["fp32"], files)
-    contenders = {f"runner {v}": (lambda b, r=r: r.predict(b)) for v, r in rs.items()}
-    contenders["torch eager"] = torch_scorer(net, tiles and tiles[0], card)
-    compile_note = "skipped (--no-compile)"
-    try:
-        if not COMPILE:
-            raise LookupError  # inductor on the CPU needs a C++ compiler; where it cannot build, say so and go on
-        compiled = torch_scorer(torch.compile(net), tiles and torch.compile(tiles[0]), card)
-        t0 = time.perf_counter()
-        for bs in (1, 8, 32):
-            compiled(batches(x, bs))
-        compile_note = f"compiled in {time.perf_counter() - t0:.0f} s"
-        contenders["torch.compile"] = compiled
-    except LookupError:
-        pass
-    except Exception as exc:  # noqa: BLE001
-        compile_note = f"torch.compile failed here: {type(exc).__name__}: {str(exc)[:200]}"
-    print(f"inference: {compile_note}")
-    report: dict = {"compile": compile_note, "variants": list(rs), "photographs_with_tiles": card.tiles is not None}
-    repeats = 10 if quick else 30
-    for bs in (1, 8, 32):
-        batch = batches(x, bs)
-        res = interleaved({k: (lambda f=f, b=batch: f(b)) for k, f in contenders.items()}, bs, repeats, 3)
-        eager = res["torch eager"]["p50_ms"]
-        for k in res:
-            res[k]["vs_eager"] = eager / res[k]["p50_ms"]
-        report[f"batch_{bs}"] = res
-        print(
-            f"inference batch {bs}: "
-            + ", ".join(f"{k} {r['p50_ms']:.1f} ms ({r['vs_eager']:.2f}x)" for k, r in res.items())
-        )
-    with tempfile.TemporaryDirectory() as tmp:
-        jpegs = as_jpeg(files, Path(tmp))
-        report["end_to_end"] = end_to_end(rs, {"jpeg": jpegs, "png": files}, 2 if quick else 3, 32)
+    """The benchmark stage's comparison (``pipeline.export.benchmark``) at batch 1, 8 and 32, with
+    torch.compile beside it and more repeats; deployable variants only."""
+    src = driver.Inputs(PROJECT)
+    rs = driver.runners(src.export, only_deployable=True)
+    x, files = src.test_images(64 if quick else 256)
+    x, _ = driver.inputs_of(rs, x, files)
+    fns, compile_note = driver.contenders(rs, src, compile_=COMPILE)
+    print(f"inference: torch.compile {compile_note}")
+    report: dict = {"compile": compile_note, "variants": list(rs), "photographs_with_tiles": rs["fp32"].card.tiles
+                    is not None}  # fmt: skip
+    report |= driver.compare(fns, x, [1, 8, 32], 10 if quick else 30, 3)
+    report["end_to_end"] = driver.files_end_to_end(rs, files, 2 if quick else 3, 32)
     print("inference end to end: " + json.dumps(report["end_to_end"]))
     return report
 
@@ -200,7 +151,7 @@ def data(quick: bool) -> dict:
     import yaml
     from torchvision.io import ImageReadMode, decode_image
 
-    from pipeline.augment import build_policy
+    from pipeline.data.augment import build_policy
     from serving.preprocess import load_image
 
     params = yaml.safe_load((PROJECT / "params.yaml").read_text())
@@ -327,7 +278,18 @@ def load(name: str) -> dict | None:
 def markdown() -> str:
     m = load("machine") or machine()
     lines = [f"# Benchmarks: {m['cpu']}, {m['cores']} cores, {m['date']}", ""]
-    checks = []
+    checks: list[tuple[str, float, float]] = []
+    for section in (inference_table, sizes_table, serving_table, other_tables):
+        lines += section(checks)
+    if checks:
+        lines += ["## Targets", "", "| target | measured | goal | met |", "|---|---|---|---|"]
+        for name, got, goal in checks:
+            lines.append(f"| {name} | {got:.2f} | {goal} | {'yes' if got >= goal else 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
+def inference_table(checks: list) -> list[str]:
+    lines: list[str] = []
     inf = load("inference")
     if inf:
         lines += ["## Inference (CPU provider; ratios vs PyTorch eager, same images, interleaved)", ""]
@@ -359,6 +321,11 @@ def markdown() -> str:
         )
         checks.append(("end to end from JPEG, img/s (116 = 10 M/day)", best, TARGETS["end_to_end_img_s"]))
         lines.append("")
+    return lines
+
+
+def sizes_table(checks: list) -> list[str]:
+    lines: list[str] = []
     sweep = load("sizes")
     if sweep:
         by = sweep["jpeg_img_s_by_size"]
@@ -366,6 +333,11 @@ def markdown() -> str:
         lines += ["| input size | img/s | 116 img/s (10 M/day) |", "|---|---|---|"]
         lines += [f"| {k} px | {v:.0f} | {'reached' if v >= 116 else f'{v / 116:.0%} of it'} |" for k, v in by.items()]
         lines.append("")
+    return lines
+
+
+def serving_table(checks: list) -> list[str]:
+    lines: list[str] = []
     srv = load("serving")
     if srv:
         lines += [
@@ -393,6 +365,12 @@ def markdown() -> str:
                 )
             )
         lines.append("")
+    return lines
+
+
+def other_tables(checks: list) -> list[str]:
+    """Data loading, the training loop and the pipeline's own timings."""
+    lines: list[str] = []
     dat = load("data")
     if dat:
         lines += ["## Data loading from image files (decode + augmentation policy, batch 32)", ""]
@@ -418,11 +396,7 @@ def markdown() -> str:
         kind = "`dvc exp run -S train.epochs=2` (quick)" if pipe["quick"] else "`dvc repro` with the defaults"
         lines += ["## Pipeline", "", f"- from scratch, {kind}: {pipe['from_scratch_s']:.0f} s",
                   f"- no-op `dvc repro`: {pipe['noop_s']:.1f} s", ""]  # fmt: skip
-    if checks:
-        lines += ["## Targets", "", "| target | measured | goal | met |", "|---|---|---|---|"]
-        for name, got, goal in checks:
-            lines.append(f"| {name} | {got:.2f} | {goal} | {'yes' if got >= goal else 'no'} |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def plot() -> None:

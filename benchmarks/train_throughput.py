@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.config import ModelConfig, load_params  # noqa: E402
 from pipeline.distributed import Dist  # noqa: E402
-from pipeline.loop import EMA, EpochProgress, train_one_epoch  # noqa: E402
 from pipeline.model import create_model  # noqa: E402
 from pipeline.runtime import resolve_runtime  # noqa: E402
+from pipeline.training.loop import EMA, EpochProgress, train_one_epoch  # noqa: E402
 
 PARAMS = load_params(Path(__file__).resolve().parents[1] / "params.yaml")  # the project's defaults
 DEFAULT_MODEL = PARAMS.model.name
@@ -111,8 +111,8 @@ def plain_loop(model: nn.Module, images: np.ndarray, labels: np.ndarray, batch_s
 
 def loop_mode(args) -> dict:
     """CPU, fp32: the stage's loop (augmentation on) against the plain loop, same model and images."""
-    from pipeline.augment import ImageDataset, build_policy
-    from pipeline.loop import EpochBatches
+    from pipeline.data.augment import ImageDataset, build_policy
+    from pipeline.training.loop import EpochBatches
 
     t = PARAMS.train
     size, bs = args.image_size or PARAMS.prepare.image_size, args.batch_size or t.batch_size

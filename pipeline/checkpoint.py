@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 
 from pipeline.distributed import Dist
 
@@ -118,8 +119,6 @@ class CheckpointDir:
             tmp.mkdir(parents=True)
         self.d.barrier()
         if sharded is not None:
-            import torch.distributed.checkpoint as dcp
-
             dcp.save(sharded, checkpoint_id=str(tmp / "shards"))
         if self.d.is_main:
             torch.save({"version": CHECKPOINT_VERSION, **state}, tmp / "state.pt")
@@ -147,8 +146,6 @@ class CheckpointDir:
             ok = state is not None
             if ok and sharded_template is not None:
                 try:
-                    import torch.distributed.checkpoint as dcp
-
                     dcp.load(sharded_template, checkpoint_id=str(path / "shards"))
                 except Exception as exc:
                     log.warning("checkpoint %s: shards unreadable (%s); ignoring it", path, exc)

@@ -12,8 +12,9 @@ import logging
 import sys
 from pathlib import Path
 
-from pipeline.batches import BATCHES_DIR, add_batch, dvc_track
 from pipeline.config import ConfigError, load_params
+from pipeline.data.batches import BATCHES_DIR, add_batch, dvc_track
+from pipeline.tracking import BUFFER_ROOT, flush_all
 
 
 def ingest_command(args: argparse.Namespace) -> int:
@@ -33,8 +34,6 @@ def ingest_command(args: argparse.Namespace) -> int:
 
 
 def flush_command(args: argparse.Namespace) -> int:
-    from pipeline.tracking import BUFFER_ROOT, flush_all
-
     result = flush_all(BUFFER_ROOT)
     if not result:
         print(f"nothing buffered in {BUFFER_ROOT}")
@@ -63,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         return flush_command(args)
     try:
         if args.command == "sweep":
-            from pipeline.sweep import run_sweep
+            from pipeline.sweep import run_sweep  # its own module's imports (dvc, mlflow) only when sweeping
 
             return run_sweep(args.levers, args.until)
         return ingest_command(args)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import subprocess
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,13 @@ def launch_command(script: str, processes: int) -> list[str]:
         f"--nproc_per_node={processes}",
         script,
     ]
+
+
+def relaunch(script: str, processes: int) -> int:
+    """Run ``script`` again under torchrun in ``processes`` local processes; their exit code."""
+    cmd = launch_command(script, processes)
+    log.info("launching %d processes: %s", processes, " ".join(cmd))
+    return subprocess.call(cmd)
 
 
 @dataclass
@@ -111,8 +120,6 @@ def wrap(model: nn.Module, d: Dist, device: torch.device) -> nn.Module:
         ids = [device.index] if device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=ids)
     if d.mode == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-
         # Shard each block group on its own (its parameters are gathered just before it runs and freed
         # after), then the root for the stem and head. Works for timm EfficientNets and any model with
         # a ``blocks`` sequence; others are sharded as one unit.

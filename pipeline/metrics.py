@@ -1,4 +1,4 @@
-"""The defect-vs-OK figures, shared by training (per-epoch val monitor) and evaluation.
+"""The figures shared by training (per-epoch val monitor), evaluation and export (variant parity).
 
 A defect score is ``1 - p(ok)``; an image is flagged when its score is at or above the threshold.
 """
@@ -128,3 +128,19 @@ def cut_on_partitions(
         return {"partitions": 0}
     return {"recall": float(np.mean(recall)), "within": float(np.mean(within)), "oracle": float(np.mean(oracle)),
             "partitions": len(recall)}  # fmt: skip
+
+
+def classification_metrics(probs: np.ndarray, labels: np.ndarray, classes: list[str]) -> tuple[dict, np.ndarray]:
+    pred = probs.argmax(axis=1)
+    k = len(classes)
+    cm = np.zeros((k, k), dtype=np.int64)
+    np.add.at(cm, (labels, pred), 1)
+    per_class = {}
+    for i, c in enumerate(classes):
+        tp = cm[i, i]
+        per_class[c] = {
+            "precision": float(tp / max(cm[:, i].sum(), 1)),
+            "recall": float(tp / max(cm[i].sum(), 1)),
+            "support": int(cm[i].sum()),
+        }
+    return {"accuracy": float((pred == labels).mean()), "per_class": per_class}, cm

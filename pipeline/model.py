@@ -1,21 +1,30 @@
-"""The network: a timm EfficientNet behind a fixed input contract.
+"""The network, its file and its predictions: what training, evaluation, export and benchmark share.
 
 ``DefectNet`` takes what the runner feeds the exported graph, (N, H, W, C) uint8 pixels, and does the
 rest inside the module: to float, scale to [0, 1], normalize, NHWC -> NCHW. Training, evaluation and
 export all use this same module, so the normalization can never drift between them.
+
+``save_model`` / ``load_model`` / ``load_tile_model`` are the consolidated ``model.pt`` the train stage
+writes (weights plus what it takes to rebuild the network); ``predict_logits`` scores packed images.
+Nothing here imports the trainer: loading or running a model never needs it.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import socket
 from pathlib import Path
 
+import numpy as np
 import timm
 import torch
 from torch import nn
 
+from pipeline import checkpoint
 from pipeline.config import ConfigError, ModelConfig
+from pipeline.distributed import Dist
+from pipeline.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
@@ -170,3 +179,80 @@ def create_model(cfg: ModelConfig, num_classes: int, in_chans: int) -> DefectNet
     if in_chans == 1:  # grayscale: one channel with the average statistics
         mean, std = (sum(mean) / len(mean),), (sum(std) / len(std),)
     return DefectNet(backbone, mean, std, per_image=cfg.input_norm == "per_image")
+
+
+MODEL_META = ("architecture", "global_pool", "input_norm")  # what it takes to rebuild a member's network
+
+
+def save_model(state: dict[str, torch.Tensor], meta: dict, path: Path, tiles: dict | None = None) -> None:
+    """The consolidated model that evaluate and export read: weights plus what it takes to rebuild it;
+    ``tiles``: the tile model's ``{"model": weights, "meta": ...}``, kept beside it."""
+    ckpt = {"version": checkpoint.CHECKPOINT_VERSION, "model": state, "meta": meta}
+    checkpoint.save_atomic(ckpt | ({"tiles": tiles} if tiles else {}), path)
+
+
+def _read(path: Path) -> dict:
+    ckpt = checkpoint.load(path)
+    if ckpt is None:
+        raise FileNotFoundError(f"{path}: no readable trained model (run the train stage)")
+    return ckpt
+
+
+def _rebuild(spec: dict, classes: int, channels: int) -> DefectNet:
+    """A member's network from its meta (``MODEL_META``), no dropout, no pretrained weights: the file has them."""
+    cfg = ModelConfig(spec["architecture"], "false", 0.0, spec["global_pool"], spec["input_norm"])
+    return create_model(cfg, classes, channels)
+
+
+def load_model(path: Path) -> tuple[DefectNet | Ensemble, dict]:
+    """The consolidated model and its meta; everything needed to rebuild it is in the file itself."""
+    ckpt = _read(path)
+    meta = ckpt["meta"]
+    k, c = len(meta["classes"]), meta["channels"]
+    members = meta.get("members", 1)
+    if members == 1 and "member_models" not in meta:
+        net: nn.Module = _rebuild(meta, k, c)
+    else:  # each member its own network (train.ensemble_members may change model.*); older files: all alike
+        net = Ensemble([_rebuild(spec, k, c) for spec in meta.get("member_models", [meta] * members)])
+    net.load_state_dict(ckpt["model"])
+    return net.eval(), meta
+
+
+def load_tile_model(path: Path) -> tuple[DefectNet, dict] | None:
+    """The tile model packed beside the whole-image model in ``path`` (``train`` with tiles) and its meta
+    (``weight``, ``tile``: the input side), or None where the model has no tiles."""
+    ckpt = _read(path)
+    if "tiles" not in ckpt:
+        return None
+    meta = ckpt["tiles"]["meta"]
+    net = _rebuild(meta, len(meta["classes"]), meta["channels"])
+    net.load_state_dict(ckpt["tiles"]["model"])
+    return net.eval(), meta
+
+
+@torch.no_grad()
+def predict_logits(
+    model: nn.Module, images: np.ndarray, rt: Runtime, d: Dist | None = None, batch_size: int = 64
+) -> np.ndarray:
+    """(N, H, W, C) uint8 -> logits (N, K) float32 in eval mode; with several ranks each does a share.
+
+    Every rank runs the same number of batches (FSDP gathers parameters collectively in each forward),
+    so the shares are padded to equal length and the padding dropped after gathering.
+    """
+    d = d or Dist("none")
+    model.eval()
+    n = len(images)
+    idx = np.minimum(np.arange(math.ceil(n / d.world_size)) * d.world_size + d.rank, max(n - 1, 0))
+    out = []
+    for i in range(0, len(idx), batch_size):
+        x = torch.from_numpy(images[idx[i : i + batch_size]]).to(rt.device)
+        with rt.autocast():
+            out.append(model(x).float().cpu())
+    mine = torch.cat(out).numpy() if out else np.zeros((0, 0), np.float32)
+    if not d.enabled:
+        return mine[:n]
+    gathered = d.all_gather_object((idx, mine))
+    logits = np.zeros((n, mine.shape[1]), np.float32)
+    for i, part in gathered:
+        logits[i] = part
+    return logits

@@ -110,3 +110,27 @@ def variants_plot(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def benchmark_plot(report: dict, path: Path) -> None:
+    """The benchmark stage's figure: batch-1 latency per contender (p50, bar to p99), and images/s end to
+    end and over HTTP against the 116 img/s a 10-million-images-a-day line needs."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    b1 = report["batch_1"]
+    names = list(b1)
+    spread = [[0] * len(names), [b1[n]["p99_ms"] - b1[n]["p50_ms"] for n in names]]
+    axes[0].bar(names, [b1[n]["p50_ms"] for n in names], yerr=spread)
+    axes[0].set(title="batch 1 latency (p50, bar to p99)", ylabel="ms")
+    e2e = report["end_to_end"]
+    labels = [f"{v} {fmt.split('_')[0]}" for v in e2e for fmt in e2e[v]]
+    values = [e2e[v][fmt] for v in e2e for fmt in e2e[v]]
+    http = report["http"]
+    labels += [f"HTTP c={http['concurrency']} tensors", f"HTTP c={http['concurrency']} images"]
+    values += [http["infer_img_s"], http["classify_img_s"]]
+    axes[1].barh(labels, values)
+    axes[1].axvline(116, color="red", linestyle="--", label="116 img/s = 10 M images/day")
+    axes[1].set(title="images/s end to end (decode, resize, infer)", xlabel="img/s")
+    axes[1].legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import yaml
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
@@ -93,8 +94,6 @@ def lineage_tags(path: Path = Path("dvc.lock"), params_file: Path = Path("params
     of dvc.lock itself, and the DVC experiment name when under ``dvc exp run``."""
     tags: dict[str, str] = {}
     if path.is_file():
-        import yaml
-
         tags["dvc.lock.md5"] = hashlib.md5(path.read_bytes()).hexdigest()
         lock = yaml.safe_load(path.read_text()) or {}
         for stage, body in (lock.get("stages") or {}).items():

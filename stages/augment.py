@@ -7,9 +7,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.augment import balance_copies, build_policy, preview, resolve_policy, save_policy
+from pipeline.data.augment import balance_copies, build_policy, preview, resolve_policy, save_policy
+from pipeline.data.prepare import load_split
 from pipeline.entry import run_stage
-from pipeline.prepare import load_split
 
 
 def main(params):

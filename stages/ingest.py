@@ -2,8 +2,8 @@
 
 from pathlib import Path
 
+from pipeline.data.ingest import ingest
 from pipeline.entry import run_stage
-from pipeline.ingest import ingest
 
 
 def main(params):

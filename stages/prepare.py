@@ -2,36 +2,25 @@
 has defect masks (and ``tiles.use`` is auto), also the tile model's training tiles (data/prepared/tiles)."""
 
 import json
-import shutil
 from pathlib import Path
 
+from pipeline.data.prepare import prepare
+from pipeline.data.tiling import tile_data
+from pipeline.data.validate import read_manifest
 from pipeline.entry import run_stage
-from pipeline.prepare import prepare
-from pipeline.tiles import prepare_tiles
-from pipeline.validate import read_manifest
+
+OUT, IMAGES, MASKS = Path("data/prepared"), Path("data/raw/images"), Path("data/raw/masks")
 
 
 def main(params):
     manifest = read_manifest(Path("data/validated/manifest.csv"))
     classes = sorted({r["label"] for r in manifest})
-    out, masks = Path("data/prepared"), Path("data/raw/masks")
-    summary = prepare(
-        manifest,
-        Path("data/raw/images"),
-        classes,
-        params.data.ok_class,
-        params.data.channels,
-        params.prepare,
-        out,
-        masks_dir=masks,
-    )
-    shutil.rmtree(out / "tiles", ignore_errors=True)
-    tiles = None
-    if params.tiles.use == "auto" and masks.is_dir() and any(masks.rglob("*.png")):
-        tiles = prepare_tiles(out, Path("data/raw/images"), masks, params.tiles.min_mask_pixels)
-    summary["tiles"] = tiles  # None: the whole images alone (tiles.use off, no masks, or no tile covered)
-    (out / "prepare.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"prepare: {summary['splits']}; tiles: {tiles or 'none'}")
+    summary = prepare(manifest, IMAGES, classes, params.data.ok_class, params.data.channels, params.prepare, OUT,
+                      masks_dir=MASKS)  # fmt: skip
+    # None: the whole images alone (tiles.use off, no masks, or no tile covered by one)
+    summary["tiles"] = tile_data(params.tiles.use, OUT, IMAGES, MASKS, params.tiles.min_mask_pixels)
+    (OUT / "prepare.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"prepare: {summary['splits']}; tiles: {summary['tiles'] or 'none'}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 from pathlib import Path
 
 from pipeline.entry import run_stage
-from pipeline.promote import promote
+from pipeline.registry.promote import promote
 
 
 def main(params):

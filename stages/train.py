@@ -1,25 +1,21 @@
-"""Stage train: packed images -> models/train/model.pt (+ checkpoints, MLflow run, curves).
+"""Stage train: packed images -> models/train/model.pt (+ checkpoints, MLflow run, curves, recipe.json).
 
 With ``train.distributed`` ddp or fsdp this same command starts itself again under torchrun with
 ``train.processes`` processes; under a launcher already (a cluster job), it just trains.
 """
 
-import logging
-import subprocess
 import sys
 from pathlib import Path
 
 from pipeline import distributed
 from pipeline.entry import run_stage
-from pipeline.train import train
+from pipeline.training.recipe import train
 
 
 def main(params):
     cfg = params.train
     if cfg.distributed != "none" and not distributed.under_launcher():
-        cmd = distributed.launch_command(__file__, cfg.processes)
-        logging.getLogger("train").info("launching %d processes: %s", cfg.processes, " ".join(cmd))
-        rc = subprocess.call(cmd)
+        rc = distributed.relaunch(__file__, cfg.processes)
         if rc != 0:
             print(f"\ntrain: error: a training process failed (exit {rc}); see its message above", file=sys.stderr)
             sys.exit(rc)

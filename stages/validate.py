@@ -3,8 +3,8 @@
 import json
 from pathlib import Path
 
+from pipeline.data.validate import gate, validate, write_outputs
 from pipeline.entry import run_stage
-from pipeline.validate import gate, validate, write_outputs
 
 
 def main(params):

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,10 +68,17 @@ def venv_env() -> dict[str, str]:
     return env
 
 
-def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` skip, with the reason, where torch sees no CUDA device (CI, this machine)."""
-    import torch
+# Fixtures that run pipeline stages (a minute or more, once per session): a test using one is slow, and
+# `make test-fast` (-m "not slow") leaves it out.
+STAGE_FIXTURES = {"prepared_project", "exported_project"}
 
+
+def pytest_collection_modifyitems(config, items):
+    """Tests on the trained-model fixtures are marked ``slow``; tests marked ``gpu`` skip, with the reason,
+    where torch sees no CUDA device (CI, this machine)."""
+    for item in items:
+        if STAGE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU, torch sees none (scripts/gpu_check.sh runs these on one)")

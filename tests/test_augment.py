@@ -8,7 +8,8 @@ import albumentations as A
 import numpy as np
 import pytest
 
-from pipeline.augment import (
+from pipeline.config import ConfigError
+from pipeline.data.augment import (
     ImageDataset,
     apply_policy,
     balance_copies,
@@ -18,7 +19,6 @@ from pipeline.augment import (
     save_policy,
     without_orientation,
 )
-from pipeline.config import ConfigError
 from serving.preprocess import load_image
 from tests.conftest import REAL_DATA, load_default_params
 

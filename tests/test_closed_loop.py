@@ -18,8 +18,8 @@ import pytest
 from mlflow import MlflowClient
 
 from pipeline.config import params_from_dict
-from pipeline.promote import decide
-from pipeline.synthetic import generate
+from pipeline.data.synthetic import generate
+from pipeline.registry.promote import decide
 from tests.conftest import copy_project, tiny_params, venv_env
 from tests.serving_helpers import Server
 

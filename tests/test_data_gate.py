@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline.augment import balance_copies, build_policy
-from pipeline.batches import add_batch
 from pipeline.config import ConfigError, params_from_dict
-from pipeline.validate import GateError, gate, validate
+from pipeline.data.augment import balance_copies, build_policy
+from pipeline.data.batches import add_batch
+from pipeline.data.validate import GateError, gate, validate
 from tests.conftest import ROOT, run_stages_in, tiny_params, venv_env
 
 P = params_from_dict(tiny_params())

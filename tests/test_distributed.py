@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from pipeline import checkpoint
-from pipeline.prepare import load_split
+from pipeline.data.prepare import load_split
+from pipeline.model import load_model, predict_logits
 from pipeline.runtime import resolve_runtime
-from pipeline.train import load_model, predict_logits
 from tests.test_train import ckpt_dir, history, model_weights, params, run_train, same_weights
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline.evaluate import evaluate, review_sheet
+from pipeline.evaluation.evaluate import evaluate, review_sheet
 from pipeline.metrics import (
     choose_threshold,
     cut_on_partitions,

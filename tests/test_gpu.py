@@ -15,9 +15,9 @@ from torch import nn
 from pipeline import distributed
 from pipeline.config import ModelConfig
 from pipeline.distributed import Dist
-from pipeline.loop import EMA, EpochProgress, predict_logits, train_one_epoch
-from pipeline.model import create_model
+from pipeline.model import create_model, predict_logits
 from pipeline.runtime import resolve_runtime
+from pipeline.training.loop import EMA, EpochProgress, train_one_epoch
 
 pytestmark = pytest.mark.gpu
 

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from pipeline.config import params_from_dict
-from pipeline.heatmaps import gradcam, pointing_game
+from pipeline.evaluation.heatmaps import gradcam, pointing_game
 from pipeline.model import Ensemble, create_model
 from tests.conftest import tiny_params
 

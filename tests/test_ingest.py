@@ -13,7 +13,7 @@ import yaml
 from PIL import Image
 
 from pipeline.config import ConfigError, params_from_dict
-from pipeline.ingest import ingest
+from pipeline.data.ingest import ingest
 from tests.conftest import ROOT, tiny_params
 
 

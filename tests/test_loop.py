@@ -13,9 +13,9 @@ import timm
 import torch
 
 from pipeline.config import ConfigError, ModelConfig
-from pipeline.loop import EMA, EpochBatches, FocalLoss, RankingLoss
 from pipeline.model import create_model
 from pipeline.runtime import cpu_has_native_bf16, resolve_runtime
+from pipeline.training.loop import EMA, EpochBatches, FocalLoss, RankingLoss
 from tests.conftest import ROOT, venv_env
 
 LABELS = np.array([0] * 70 + [1] * 20 + [2] * 10)

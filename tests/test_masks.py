@@ -13,12 +13,12 @@ import torch
 from PIL import Image
 
 from pipeline import checkpoint
-from pipeline.augment import ImageDataset, build_policy
 from pipeline.config import load_params
-from pipeline.loop import MaskLoss
-from pipeline.model import create_model
-from pipeline.prepare import MASK_UNKNOWN, load_mask, load_masks, load_split, prepare
-from pipeline.train import load_model
+from pipeline.data.augment import ImageDataset, build_policy
+from pipeline.data.masks import MASK_UNKNOWN
+from pipeline.data.prepare import load_mask, load_masks, load_split, prepare
+from pipeline.model import create_model, load_model
+from pipeline.training.loop import MaskLoss
 from tests.conftest import ROOT, run_stages_in, tiny_params
 
 P = load_params(ROOT / "params.yaml")
@@ -172,8 +172,8 @@ def test_train_loss_is_the_class_loss_and_the_mask_loss_is_reported_beside_it():
     from torch import nn
 
     from pipeline.distributed import Dist
-    from pipeline.loop import EMA, EpochProgress, train_one_epoch
     from pipeline.runtime import resolve_runtime
+    from pipeline.training.loop import EMA, EpochProgress, train_one_epoch
 
     class Fixed(nn.Module):  # a loss of a known value that still reaches the weights
         def __init__(self, value: float) -> None:

@@ -10,7 +10,7 @@ import pytest
 from mlflow import MlflowClient
 
 from pipeline.config import PromoteRule
-from pipeline.promote import decide
+from pipeline.registry.promote import decide
 from serving.registry import resolve
 from serving.runner import Runner
 from tests.conftest import run_stages_in, tiny_params

@@ -13,13 +13,12 @@ import torch
 import yaml
 
 from pipeline.config import params_from_dict
-from pipeline.export import export_onnx
+from pipeline.data.prepare import load_split
+from pipeline.export.onnx import export_onnx
+from pipeline.export.variants import compare, gate
 from pipeline.metrics import softmax
-from pipeline.model import DefectNet
-from pipeline.prepare import load_split
+from pipeline.model import DefectNet, load_model, predict_logits
 from pipeline.runtime import resolve_runtime
-from pipeline.train import load_model, predict_logits
-from pipeline.variants import compare, gate
 from serving.card import ModelCard
 from serving.preprocess import load_image
 from serving.runner import Runner, RunnerError

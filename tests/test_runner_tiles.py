@@ -218,7 +218,8 @@ def test_each_variants_tile_graph_is_named_after_its_whole_graph():
 def test_a_registered_version_with_its_tile_graph_resolves_to_the_whole_graph(model, runner, tmp_path):
     from mlflow import MlflowClient
 
-    from pipeline import promote, tracking
+    from pipeline import tracking
+    from pipeline.registry import promote
     from serving.registry import resolve
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

@@ -15,11 +15,13 @@ import torch
 import yaml
 
 from pipeline.config import ConfigError, params_from_dict
+from pipeline.data.masks import read_mask
+from pipeline.data.prepare import read_summary
+from pipeline.data.tiling import tile_labels
+from pipeline.evaluation.fusion import tile_view
 from pipeline.metrics import roc_auc, softmax
-from pipeline.prepare import read_summary
+from pipeline.model import load_model, load_tile_model, predict_logits
 from pipeline.runtime import resolve_runtime
-from pipeline.tiles import read_mask, tile_labels, tile_view
-from pipeline.train import load_model, load_tile_model, predict_logits
 from serving.card import ModelCard
 from serving.preprocess import decode_image
 from serving.runner import Runner
@@ -142,7 +144,7 @@ def test_evaluate_judges_the_fused_probabilities_and_each_view(tiled):
     assert m["tiles_weight"] == 0.5 and (tiled / "reports/evaluate/views/tiles/roc.png").is_file()
     # The heatmaps are the tile model's over each photograph's most suspicious tile (the whole model's beside):
     # zero outside that tile, which is one quadrant of a 64 px photograph cut into 32 px tiles.
-    from pipeline.heatmaps import tile_cams
+    from pipeline.evaluation.heatmaps import tile_cams
 
     assert 0 <= m["pointing_game"] <= 1 and 0 <= m["whole_pointing_game"] <= 1
     assert (tiled / "reports/evaluate/views/whole/heatmaps.png").is_file()
@@ -185,7 +187,7 @@ def test_retraining_warm_starts_from_a_model_with_tiles(tiled):
     """``train.init_from`` a model.pt with one kept member and a tile model: the member's weights load (not
     the tile network's), where a file of one member was once read as a plain model and nothing loaded."""
     from pipeline.model import create_model
-    from pipeline.warmstart import resolve_init
+    from pipeline.training.warmstart import resolve_init
 
     p = tiled_params()
     p["train"]["init_from"] = str(tiled / "models/train/model.pt")

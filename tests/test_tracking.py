@@ -137,14 +137,14 @@ def test_training_survives_the_server_dying_mid_run(server, prepared_project, tm
                 server.stop()
 
     handler = KillAfterFirstEpoch()
-    logging.getLogger("pipeline.train").addHandler(handler)
-    logging.getLogger("pipeline.train").setLevel(logging.INFO)
+    logging.getLogger("pipeline.training.fit").addHandler(handler)
+    logging.getLogger("pipeline.training.fit").setLevel(logging.INFO)
     try:
-        from pipeline.train import train
+        from pipeline.training.recipe import train
 
         summary = train(params, Path("data/prepared"), Path("models/train"), Path("reports/train"), Path("reports"))
     finally:
-        logging.getLogger("pipeline.train").removeHandler(handler)
+        logging.getLogger("pipeline.training.fit").removeHandler(handler)
     assert summary["epochs_run"] == 4 and Path("models/train/model.pt").is_file()
     run_id = tracking.read_run_id(Path("models/train/run.json"))
     assert tracking.Buffer(server.uri).pending() > 0

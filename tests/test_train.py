@@ -228,9 +228,9 @@ def test_ensemble_is_the_mean_of_its_members_and_resumes_member_by_member(prepar
     """train.ensemble: 2 trains seeds 0 and 1 as two whole runs; model.pt scores the mean of their
     probabilities; member 0 is exactly the single model of seed 0; a rerun trains nothing again; evaluate
     and export (with its parity gate) take the ensemble like one model."""
+    from pipeline.data.prepare import load_split
     from pipeline.metrics import softmax
-    from pipeline.prepare import load_split
-    from pipeline.train import load_model
+    from pipeline.model import load_model
     from tests.conftest import run_stages_in
 
     shutil.copytree(prepared_project, tmp_path, dirs_exist_ok=True)
@@ -297,7 +297,7 @@ def test_an_ensemble_may_mix_networks(prepared_project, tmp_path):
     """train.ensemble_members may change model.*: member 1 is a ResNet beside an EfficientNet. The saved
     ensemble rebuilds each member's own network, its card names both, it exports with parity, and a warm
     start of a ResNet from it takes the ResNet member's weights."""
-    from pipeline.train import load_model
+    from pipeline.model import load_model
     from tests.conftest import run_stages_in
 
     shutil.copytree(prepared_project, tmp_path, dirs_exist_ok=True)

@@ -10,8 +10,8 @@ import pytest
 from PIL import Image
 
 from pipeline.config import params_from_dict
-from pipeline.prepare import assign_splits, load_groups, load_split, split_of
-from pipeline.validate import GateError, gate, validate
+from pipeline.data.prepare import assign_splits, load_groups, load_split, split_of
+from pipeline.data.validate import GateError, gate, validate
 from tests.conftest import tiny_params
 
 P = params_from_dict(tiny_params())

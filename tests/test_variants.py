@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 
-from pipeline.prepare import load_split
+from pipeline.data.prepare import load_split
 from serving.card import ModelCard, card_path_for, sha256_file
 from serving.runner import Runner, RunnerError
 from tests.conftest import run_stages_in, tiny_params
@@ -75,7 +75,7 @@ def test_each_calibration_method_gives_a_working_int8_model(exported_project, tm
     import dataclasses
 
     from pipeline.config import params_from_dict
-    from pipeline.variants import calibration_images, make_int8
+    from pipeline.export.variants import calibration_images, make_int8
 
     cfg = params_from_dict(tiny_params()).export
     cfg = dataclasses.replace(cfg, int8=dataclasses.replace(cfg.int8, calibration_method=method))
@@ -92,7 +92,7 @@ def test_a_variant_that_flags_every_ok_image_is_not_deployable():
     """Measured on an ensemble's int8 export: every score moved up by ~0.13, so at the card's threshold it
     flagged all test OK images; its recall rose and its accuracy fell by only 0.011."""
     from pipeline.config import params_from_dict
-    from pipeline.variants import gate
+    from pipeline.export.variants import gate
 
     cfg = params_from_dict(tiny_params()).export
     row = {"prob_max_abs_diff": 1e-5, "speedup_vs_fp32": 1.0}

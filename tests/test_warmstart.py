@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from pipeline.config import ConfigError, ModelConfig, params_from_dict
-from pipeline.model import create_model
-from pipeline.train import fingerprint, save_model
-from pipeline.warmstart import resolve_init
+from pipeline.model import create_model, save_model
+from pipeline.training.fit import training_fingerprint
+from pipeline.training.warmstart import resolve_init
 from tests.conftest import tiny_params
 
 CFG = ModelConfig(
@@ -52,8 +52,8 @@ def test_weights_load_and_a_new_class_head_starts_fresh(tmp_path):
 def test_the_warm_start_is_part_of_the_fingerprint(tmp_path, prepared_project):
     params = params_from_dict(tiny_params())
     prepared = prepared_project / "data/prepared"
-    assert fingerprint(params, prepared, "") != fingerprint(params, prepared, "models:/m@champion (version 1)")
-    assert fingerprint(params, prepared, "x") == fingerprint(params, prepared, "x")
+    assert training_fingerprint(params, prepared, "") != training_fingerprint(params, prepared, "models:/m@champion (version 1)")
+    assert training_fingerprint(params, prepared, "x") == training_fingerprint(params, prepared, "x")
 
 
 def test_bad_sources_are_named(tmp_path):

@@ -17,6 +17,8 @@ data, drawn in every orientation, dropping them cost accuracy: README).
 
 from __future__ import annotations
 
+from pipeline.plots import image_grid
+from pipeline.data.prepare import load_split, read_summary
 import inspect
 import logging
 from pathlib import Path
@@ -28,7 +30,7 @@ import torch
 from torch.utils.data import Dataset
 
 from pipeline.config import ConfigError
-from pipeline.prepare import MASK_UNKNOWN
+from pipeline.data.masks import MASK_UNKNOWN
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +185,7 @@ class ImageDataset(Dataset):
 
     An item key is an index, or ``(index, seed)``: the policy is then seeded for that one image, so an
     image's augmentation depends on the seed alone, not on worker count or on where a run resumed.
-    With ``masks`` ((N, H, W) uint8, see ``pipeline.prepare.MASK_UNKNOWN``) an item is (image, label,
+    With ``masks`` ((N, H, W) uint8, see ``pipeline.data.prepare.MASK_UNKNOWN``) an item is (image, label,
     mask), the mask augmented with its image.
     """
 
@@ -255,9 +257,6 @@ def balance_copies(
 
 def preview(policy: A.Compose, prepared_dir: Path, per_class: int, path: Path) -> None:
     """A PNG grid, a row per class: one training image, then ``per_class`` augmented versions of it."""
-    from pipeline.plots import image_grid
-    from pipeline.prepare import load_split, read_summary
-
     classes = read_summary(prepared_dir)["classes"]
     images, labels, _ = load_split(prepared_dir, "train")
     rows, titles = [], []

@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.config import ConfigError, Params
-from pipeline.ingest import class_folders
-from pipeline.validate import check_file, read_manifest
+from pipeline.data.ingest import class_folders
+from pipeline.data.validate import check_file, read_manifest
 
 log = logging.getLogger(__name__)
 BATCHES_DIR = Path("batches")

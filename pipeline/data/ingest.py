@@ -6,6 +6,7 @@ nothing downstream ever touches the user's source folder.
 
 from __future__ import annotations
 
+from pipeline.data import synthetic
 import json
 import logging
 import shutil
@@ -89,8 +90,6 @@ def ingest(cfg: DataConfig, out_dir: Path, batches_dir: Path = Path("batches")) 
     images_dir.mkdir(parents=True)
     masks_dir.mkdir(parents=True)
     if cfg.source == "synthetic":
-        from pipeline import synthetic
-
         records = synthetic.generate(
             images_dir, masks_dir, cfg.synthetic.counts, cfg.synthetic.image_size, cfg.channels, cfg.seed
         )

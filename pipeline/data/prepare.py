@@ -21,18 +21,17 @@ from PIL import Image
 from tqdm import tqdm
 
 from pipeline.config import PrepareConfig
+from pipeline.data.masks import MASK_UNKNOWN, mask_path
 from serving.preprocess import load_image, resize_image
 
 log = logging.getLogger(__name__)
 SPLITS = ("train", "val", "test")
-MASK_UNKNOWN = 255  # every pixel of a mask that is not known: a defect image without a mask file
 
 
 def load_mask(masks_dir: Path, rel_path: str, size: int, resize: str) -> np.ndarray | None:
     """The mask of image ``rel_path`` (``<class>/<name>.*`` -> ``masks_dir/<class>/<name>.png``), brought to
     the model input exactly as the image was (same letterbox or squash); None when absent or empty."""
-    p = Path(rel_path)
-    path = masks_dir / p.parent / f"{p.stem}.png"
+    path = mask_path(masks_dir, rel_path)
     if not path.is_file():
         return None
     m = np.asarray(Image.open(path).convert("L"), dtype=np.uint8)

@@ -6,7 +6,7 @@
   every tile of a defect image without a mask, are left out (where its defect is, is not known).
 - The prepare stage writes the labeled train and val tiles to ``data/prepared/tiles`` (a prepared folder the
   train stage reads like the whole images'); the evaluate and export stages cut the val and test photographs
-  again (a few seconds) and score every tile.
+  again (``score_tiles``, a few seconds) and score every tile (``pipeline.evaluation.fusion``).
 """
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
 from tqdm import tqdm
 
+from pipeline.data.masks import MASK_UNKNOWN, mask_path, read_mask
+from pipeline.data.prepare import read_summary
 from serving.preprocess import decode_image
 from serving.tiles import cut_tiles
 
@@ -38,22 +40,6 @@ def tile_labels(mask: np.ndarray | None, label: int, ok_index: int, positions: l
         return [None] * len(positions)
     covered = [int(mask[y : y + tile, x : x + tile].sum()) for x, y in positions]
     return [label if a >= min_pixels else ok_index if a == 0 else None for a in covered]
-
-
-def mask_path(masks_dir: Path, rel_path: str) -> Path:
-    return masks_dir / Path(rel_path).parent / f"{Path(rel_path).stem}.png"
-
-
-def read_mask(masks_dir: Path, rel_path: str) -> np.ndarray | None:
-    """The full-resolution defect mask of image ``rel_path`` (``<class>/<stem>.png``), True where the defect
-    is: any pixel above 0, so the anti-aliased rim of a drawn defect counts; None where there is no such file
-    or it marks nothing."""
-    path = mask_path(masks_dir, rel_path)
-    if not path.is_file():
-        return None
-    with Image.open(path) as m:
-        mask = np.asarray(m.convert("L")) > 0
-    return mask if mask.any() else None
 
 
 def tile_split(split: dict, images_dir: Path, masks_dir: Path | None, tile: int, channels: int, ok_index: int,
@@ -90,8 +76,6 @@ def write_tile_data(dest: Path, info: dict, train_tiles: dict, val_tiles: dict) 
     """A prepared folder the train stage reads: the labeled training tiles and the labeled val tiles (the
     training's val figures are then by tile). Written once for the same tiles and labels: its bytes are the
     training's fingerprint, so a killed run resumes instead of starting over."""
-    from pipeline.prepare import MASK_UNKNOWN
-
     marker = dest / "tiles.sha256"
     digest = hashlib.sha256(json.dumps(info, sort_keys=True).encode())  # tile size and channels among it
     for d in (train_tiles, val_tiles):
@@ -115,8 +99,6 @@ def write_tile_data(dest: Path, info: dict, train_tiles: dict, val_tiles: dict) 
 def prepare_tiles(prepared_dir: Path, images_dir: Path, masks_dir: Path, min_pixels: int) -> dict | None:
     """The prepare stage's tile data, ``prepared_dir/tiles``, from its train and val splits; None (and no
     folder) where no training tile is covered by a mask: nothing to learn defects from."""
-    from pipeline.prepare import read_summary
-
     info = read_summary(prepared_dir)
     ok_index, tile = info["classes"].index(info["ok_class"]), info["image_size"]
     tiles = {}
@@ -137,39 +119,18 @@ def prepare_tiles(prepared_dir: Path, images_dir: Path, masks_dir: Path, min_pix
     return {"tile": tile, "train_tiles": counts, "tiles_per_image": per_image}
 
 
+def tile_data(use: str, prepared_dir: Path, images_dir: Path, masks_dir: Path, min_pixels: int) -> dict | None:
+    """The prepare stage's step for ``tiles.use``: auto cuts ``prepared_dir/tiles`` where the data has defect
+    masks (``prepare_tiles``); off, or no mask files, leaves no tile folder. None: the whole images alone."""
+    shutil.rmtree(prepared_dir / "tiles", ignore_errors=True)
+    if use != "auto" or not masks_dir.is_dir() or not any(masks_dir.rglob("*.png")):
+        return None
+    return prepare_tiles(prepared_dir, images_dir, masks_dir, min_pixels)
+
+
 def score_tiles(paths: list[str], images_dir: Path, tile: int, channels: int) -> tuple[np.ndarray, np.ndarray]:
     """Every tile of the photographs at ``paths`` (relative to ``images_dir``): (T, tile, tile, C) uint8 and
     each tile's photograph index, for scoring."""
     split = {"paths": np.array(paths), "labels": np.zeros(len(paths), int), "groups": np.array(paths)}
     t = tile_split(split, images_dir, None, tile, channels, 0, 1, desc="cut tiles")
     return t["images"], t["parent"]
-
-
-def fit_check(history: Path, train_labels: np.ndarray, ok_index: int, ok_share: float) -> dict:
-    """Did the tile model learn? Its last epoch's train accuracy against the share of OK tiles in an epoch
-    (a model that calls every tile OK scores that share). From scratch, a few hundred defect tiles among
-    thousands of clean ones sometimes never leave that plateau (measured: README); the run then says so."""
-    from pipeline.train import read_history
-
-    last = read_history(history)[-1]
-    n_ok = int((train_labels == ok_index).sum())
-    n_defect = int(((train_labels >= 0) & (train_labels != ok_index)).sum())
-    share = ok_share * n_ok / (ok_share * n_ok + n_defect)
-    fit = {"tile_train_accuracy": last["train_acc"], "tile_val_auc": last.get("val_auc", float("nan")),
-           "epoch_ok_share": share, "tile_model_fit": bool(last["train_acc"] >= share + 0.05)}  # fmt: skip
-    if not fit["tile_model_fit"]:
-        log.warning("the tile model did not fit: train accuracy %.2f at the last epoch, where calling every "
-                    "tile OK scores %.2f; its figures are a failed training's (try a lower train.lr in "
-                    "tiles.recipe, or another train.seed)", last["train_acc"], share)  # fmt: skip
-    return fit
-
-
-def tile_view(net, paths: list[str], images_dir: Path, tile: int, channels: int, ok_index: int, rt) -> np.ndarray:
-    """(N, K): the tile model's probabilities of each photograph at ``paths``, those of its most suspicious
-    tile (``serving.tiles.image_probs``)."""
-    from pipeline.loop import predict_logits
-    from pipeline.metrics import softmax
-    from serving.tiles import image_probs
-
-    x, parent = score_tiles(paths, images_dir, tile, channels)
-    return image_probs(softmax(predict_logits(net, x, rt)), parent, len(paths), ok_index)

@@ -9,6 +9,9 @@ Nothing in the source is modified; rejected files are listed with one reason eac
 
 from __future__ import annotations
 
+from io import BytesIO
+from PIL import Image
+from pipeline.plots import bar_chart
 import csv
 import hashlib
 import json
@@ -20,7 +23,7 @@ import numpy as np
 from tqdm import tqdm
 
 from pipeline.config import StageError, ValidateConfig
-from pipeline.ingest import IMAGE_EXTENSIONS
+from pipeline.data.ingest import IMAGE_EXTENSIONS
 from serving.preprocess import ImageDecodeError, decode_image
 
 log = logging.getLogger(__name__)
@@ -47,8 +50,6 @@ class Record:
 
 def difference_hash(img: np.ndarray) -> np.ndarray:
     """256-bit dHash of an (H, W, C) uint8 image: signs of horizontal gradients on a 17x16 thumbnail."""
-    from PIL import Image
-
     gray = img.mean(axis=2).astype(np.uint8)
     thumb = np.asarray(Image.fromarray(gray).resize((17, 16), Image.Resampling.BILINEAR), dtype=np.int16)
     return (thumb[:, 1:] > thumb[:, :-1]).ravel()
@@ -56,10 +57,6 @@ def difference_hash(img: np.ndarray) -> np.ndarray:
 
 def pixel_mode(data: bytes) -> str:
     """The pixel mode the file declares (cheap: reads the header only)."""
-    from io import BytesIO
-
-    from PIL import Image
-
     with Image.open(BytesIO(data)) as img:
         return img.mode
 
@@ -231,8 +228,6 @@ def write_outputs(
         lines += ["", "## Quarantined", "", "| file | reason |", "|---|---|"]
         lines += [f"| {r.path} | {r.reason} |" for r in quarantined]
     (report_dir / "report.md").write_text("\n".join(lines) + "\n")
-    from pipeline.plots import bar_chart
-
     bar_chart(summary["per_class"], "Accepted images per class", report_dir / "class_balance.png")
 
 

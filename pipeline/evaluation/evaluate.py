@@ -17,33 +17,18 @@ import numpy as np
 from pipeline.metrics import (
     binary_metrics,
     choose_threshold,
+    classification_metrics,
     cut_on_partitions,
     group_weights,
     redrawn_partitions,
     roc_auc,
     threshold_for_false_alarms,
 )
-from pipeline.plots import confusion_matrix_plot
+from pipeline.plots import confusion_matrix_plot, plt
 
 log = logging.getLogger(__name__)
 
 REDRAWN_SPLITS = 400  # re-drawn val/test partitions for the split-luck figures
-
-
-def classification_metrics(probs: np.ndarray, labels: np.ndarray, classes: list[str]) -> tuple[dict, np.ndarray]:
-    pred = probs.argmax(axis=1)
-    k = len(classes)
-    cm = np.zeros((k, k), dtype=np.int64)
-    np.add.at(cm, (labels, pred), 1)
-    per_class = {}
-    for i, c in enumerate(classes):
-        tp = cm[i, i]
-        per_class[c] = {
-            "precision": float(tp / max(cm[:, i].sum(), 1)),
-            "recall": float(tp / max(cm[i].sum(), 1)),
-            "support": int(cm[i].sum()),
-        }
-    return {"accuracy": float((pred == labels).mean()), "per_class": per_class}, cm
 
 
 def evaluate(
@@ -175,8 +160,6 @@ def review_sheet(val: Split, test: Split, classes: list[str], ok_class: str, far
 
 def review_grid(rows: dict, classes: list[str], threshold: float, per_row: int, path: Path) -> None:
     """One row of images per entry of ``rows``: {title: (split name, (images, labels, paths, scores), indices)}."""
-    import matplotlib.pyplot as plt
-
     fig = plt.figure(figsize=(1.5 * per_row, 2.2 * len(rows)), layout="constrained")
     fig.suptitle(f"defect score = 1 - p(ok); the false-alarm threshold is {threshold:.3f}", fontsize=9)
     for sub, (name, (_, (x, y, paths, scores), idx)) in zip(fig.subfigures(len(rows), 1), rows.items(), strict=True):
@@ -192,8 +175,6 @@ def review_grid(rows: dict, classes: list[str], threshold: float, per_row: int, 
 
 
 def _score_histogram(scores: np.ndarray, is_defect: np.ndarray, threshold: float, path: Path) -> None:
-    import matplotlib.pyplot as plt
-
     fig, ax = plt.subplots(figsize=(6, 3.5))
     bins = np.linspace(0, 1, 41)
     ax.hist(scores[~is_defect], bins=bins, alpha=0.6, label="OK images")
@@ -209,8 +190,6 @@ def _score_histogram(scores: np.ndarray, is_defect: np.ndarray, threshold: float
 
 def _roc_plot(scores: np.ndarray, is_defect: np.ndarray, points: dict[str, float], path: Path) -> None:
     """ROC curve of the test split with the operating points of the val-chosen thresholds."""
-    import matplotlib.pyplot as plt
-
     cuts = np.r_[np.inf, np.sort(np.unique(scores))[::-1]]
     far = [binary_metrics(scores, is_defect, t)["false_alarm_rate"] for t in cuts]
     rec = [binary_metrics(scores, is_defect, t)["defect_recall"] for t in cuts]
@@ -228,8 +207,6 @@ def _roc_plot(scores: np.ndarray, is_defect: np.ndarray, points: dict[str, float
 
 def _pr_plot(scores: np.ndarray, is_defect: np.ndarray, threshold: float, path: Path) -> None:
     """Precision-recall of the defect class on the test split, with the model card's threshold marked."""
-    import matplotlib.pyplot as plt
-
     cuts = np.sort(np.unique(scores))[::-1]
     flagged = scores[None, :] >= cuts[:, None]
     tp = (flagged & is_defect[None, :]).sum(axis=1)

@@ -25,10 +25,14 @@ from pathlib import Path
 import numpy as np
 import torch
 from captum.attr import LayerAttribution, LayerGradCam
+from scipy.ndimage import binary_dilation
 from torch import nn
 
+from pipeline.data.prepare import load_mask
 from pipeline.model import Ensemble, feature_layer
-from pipeline.prepare import load_mask
+from pipeline.plots import plt
+from serving.preprocess import resize_image
+from serving.tiles import cut_tiles
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +68,6 @@ def _unit(maps: np.ndarray) -> np.ndarray:
 
 def pointing_game(maps: np.ndarray, masks: list[np.ndarray | None], tolerance: int) -> np.ndarray:
     """Per image: 1.0 hit, 0.0 miss, nan when there is no mask to point at."""
-    from scipy.ndimage import binary_dilation
-
     result = np.full(len(maps), np.nan)
     for i, (m, mask) in enumerate(zip(maps, masks, strict=True)):
         if mask is None or not m.any():
@@ -88,11 +90,6 @@ def heatmap_grid(
     path: Path,
 ) -> None:
     """A PNG grid: one row per class, the image in gray, the heatmap over it, the mask outlined, the peak."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     fig, axes = plt.subplots(len(rows), per_row, figsize=(2.0 * per_row, 2.15 * len(rows)), squeeze=False)
     for ax in axes.flat:
         ax.axis("off")
@@ -195,9 +192,6 @@ def tile_cams(tile_net: nn.Module, photos: Callable[[int], np.ndarray], labels: 
     elsewhere) and brought to the input's geometry like the image (``resize_image``, padding zero).
     ``photos(i)``: image i at full resolution. On the synthetic data (one tile per image) it points at the
     defect far more often than the whole-image model's (README, *Heatmaps*)."""
-    from serving.preprocess import resize_image
-    from serving.tiles import cut_tiles
-
     def cams(idx: list[int]) -> np.ndarray:
         out = []
         for i in idx:

@@ -8,6 +8,7 @@ test images, within ``export.max_abs_diff``; otherwise the export is broken and 
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -43,7 +44,14 @@ def export_onnx(
     )
     model = onnx.load(str(path))
     onnx.checker.check_model(model, full_check=True)  # full_check runs strict shape inference too
-    from pipeline.variants import set_card_metadata
-
     set_card_metadata(model, card)
     onnx.save(model, str(path))
+
+
+def set_card_metadata(model: onnx.ModelProto, card: ModelCard) -> None:
+    meta = json.loads(card.to_json())
+    meta.pop("sha256")  # a file cannot carry its own hash
+    for prop in list(model.metadata_props):
+        if prop.key == "model_card":
+            model.metadata_props.remove(prop)
+    onnx.helper.set_model_props(model, {"model_card": json.dumps(meta, sort_keys=True)})

@@ -6,17 +6,22 @@ Machines here are shared and noisy, so every comparison is interleaved (runner, 
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import signal
+import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
 
 from serving.runner import Runner
 
@@ -74,28 +79,6 @@ def photographs(runner: Runner, files: list[Path]) -> np.ndarray:
     return np.stack(max(groups.values(), key=len))
 
 
-def torch_scorer(net, tile_net, card) -> Callable[[np.ndarray], np.ndarray]:
-    """PyTorch eager scoring what the runner with ``card`` scores: (N, S, S, C) model inputs, or with tiles
-    (N, H, W, C) photographs (the whole view resized and the 1:1 tiles, fused), so timings compare like
-    with like. ``net``/``tile_net``: the trained networks (or their ``torch.compile``d forms)."""
-    import torch
-
-    from serving.preprocess import resize_image
-    from serving.tiles import fuse, image_probs, tile_batch
-
-    def score(batch: np.ndarray) -> np.ndarray:
-        with torch.inference_mode():
-            if not card.tiles:
-                return net(torch.from_numpy(batch)).softmax(1).numpy()
-            whole = np.stack([resize_image(p, card.input.size, card.input.resize) for p in batch])
-            tiles, parent = tile_batch(batch, card.tiles.size)
-            whole_probs = net(torch.from_numpy(whole)).softmax(1).numpy()
-            tile_probs = tile_net(torch.from_numpy(tiles)).softmax(1).numpy()
-            return fuse(whole_probs, image_probs(tile_probs, parent, len(batch), card.ok_index), card.tiles.weight)
-
-    return score
-
-
 def variant_files(export_dir: Path) -> dict[str, Path]:
     """The exported variants present: {"fp32": model.onnx, "fp16": model.fp16.onnx, "int8": ...}."""
     files = {"fp32": export_dir / "model.onnx"}
@@ -107,8 +90,6 @@ def variant_files(export_dir: Path) -> dict[str, Path]:
 
 def as_jpeg(files: list[Path], folder: Path) -> list[Path]:
     """The same images re-encoded as JPEG (quality 95) in ``folder``, as most line cameras send them."""
-    from PIL import Image
-
     out = []
     for i, f in enumerate(files):
         out.append(folder / f"{i:05d}.jpg")
@@ -132,9 +113,6 @@ class HttpLoad:
         self.host, self.port, self.path, self.bodies = host, port, path, bodies
 
     def run(self, concurrency: int, seconds: float) -> dict:
-        import http.client
-        import threading
-
         latencies: list[float] = []
         errors = [0]
         lock = threading.Lock()
@@ -172,8 +150,6 @@ class HttpLoad:
 
 def binary_infer_body(input_name: str, image: np.ndarray) -> tuple[bytes, dict[str, str]]:
     """A KServe v2 infer request for one (H, W, C) uint8 image, binary tensor extension (as tritonclient)."""
-    import json
-
     head = json.dumps(
         {
             "inputs": [
@@ -222,8 +198,6 @@ def http_vs_in_process(
     server_args: tuple[str, ...] = (),
 ) -> dict:
     """`defect-runner serve` under closed-loop load vs the same model called in this process."""
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -18,17 +18,20 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import onnx
+from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType, quantize_static
+from onnxruntime.quantization.shape_inference import quant_pre_process
+from onnxruntime.transformers.float16 import convert_float_to_float16
 
-from pipeline.bench import batches, interleaved
 from pipeline.config import ExportConfig
-from pipeline.evaluate import binary_metrics, classification_metrics
+from pipeline.export.onnx import set_card_metadata
+from pipeline.export.timing import batches, interleaved
+from pipeline.metrics import binary_metrics, classification_metrics
 from serving.card import ModelCard, card_path_for, sha256_file
 from serving.runner import Runner
 
@@ -40,33 +43,13 @@ def variant_path(fp32_path: Path, variant: str) -> Path:
     return fp32_path if variant == "fp32" else fp32_path.with_name(f"{fp32_path.stem}.{variant}.onnx")
 
 
-def set_card_metadata(model: onnx.ModelProto, card: ModelCard) -> None:
-    meta = json.loads(card.to_json())
-    meta.pop("sha256")  # a file cannot carry its own hash
-    for prop in list(model.metadata_props):
-        if prop.key == "model_card":
-            model.metadata_props.remove(prop)
-    onnx.helper.set_model_props(model, {"model_card": json.dumps(meta, sort_keys=True)})
-
-
 def make_fp16(fp32_path: Path, out: Path) -> None:
-    from onnxruntime.transformers.float16 import convert_float_to_float16
-
     model = convert_float_to_float16(onnx.load(str(fp32_path)), keep_io_types=True)
     onnx.save(model, str(out))
 
 
 def make_int8(fp32_path: Path, out: Path, calibration: np.ndarray, cfg: ExportConfig) -> None:
     """QDQ static quantization calibrated on ``calibration`` (N, S, S, C) uint8 training images."""
-    from onnxruntime.quantization import (
-        CalibrationDataReader,
-        CalibrationMethod,
-        QuantFormat,
-        QuantType,
-        quantize_static,
-    )
-    from onnxruntime.quantization.shape_inference import quant_pre_process
-
     class Reader(CalibrationDataReader):
         def __init__(self) -> None:
             self.batches = iter([{"image": calibration[i : i + 16]} for i in range(0, len(calibration), 16)])

@@ -33,7 +33,8 @@ from mlflow.exceptions import MlflowException
 
 from pipeline import tracking
 from pipeline.config import Params, PromoteRule
-from pipeline.variants import variant_path
+from pipeline.data.prepare import load_split, read_summary
+from pipeline.export.variants import variant_path
 from serving.card import ModelCard, card_path_for
 from serving.registry import resolve
 from serving.runner import Runner
@@ -121,8 +122,6 @@ def promote(params: Params, export_dir: Path, raw_images: Path, prepared: Path, 
         raise RuntimeError(f"promote: export recommends no deployable variant for provider {cfg.provider!r}")
     model_path = variant_path(export_dir / "model.onnx", variant)
     card = ModelCard.read(card_path_for(model_path))
-
-    from pipeline.prepare import load_split, read_summary
 
     _, y_test, paths = load_split(prepared, "test")
     classes = read_summary(prepared)["classes"]

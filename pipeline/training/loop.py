@@ -1,4 +1,4 @@
-"""The training loop's parts that need torch alone: data order, EMA, one epoch, sharded prediction.
+"""The training loop's parts that need torch alone: data order, losses, EMA, one epoch.
 
 Nothing here imports MLflow, DVC or albumentations, so the GPU check (scripts/gpu_check.sh) and the
 throughput benchmark run this exact loop on a machine that has only torch and timm.
@@ -24,6 +24,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, Sampler
 from tqdm import tqdm
 
+from pipeline.data.masks import MASK_UNKNOWN
 from pipeline.distributed import Dist, unwrap
 from pipeline.runtime import Runtime
 
@@ -136,9 +137,6 @@ class RankingLoss(nn.Module):
         if len(pos) and len(neg):
             loss = loss + self.weight * F.softplus(neg[None, :] - pos[:, None]).mean()
         return loss
-
-
-MASK_UNKNOWN = 255  # a mask pixel not known (pipeline.prepare.MASK_UNKNOWN; this module imports torch alone)
 
 
 def cell_size(pixels: int, cells: int) -> int:
@@ -259,6 +257,88 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+class RunningSums:
+    """An epoch's running sums on the device (class loss, mask loss, correct), so a GPU is not stalled by a
+    host sync every step; ``synced`` reads them summed over ranks, ``store`` puts them in ``progress``."""
+
+    def __init__(self, progress: EpochProgress, model: nn.Module, d: Dist, dev: torch.device, desc: str) -> None:
+        self.progress, self.model, self.d, self.dev, self.desc = progress, model, d, dev, desc
+        self.loss = torch.tensor(progress.loss_sum, dtype=torch.float64, device=dev)
+        self.mask = torch.tensor(progress.mask_loss_sum, dtype=torch.float64, device=dev)
+        self.correct = torch.tensor(progress.correct, dtype=torch.float64, device=dev)
+        self.t0 = time.perf_counter() - progress.elapsed
+
+    def synced(self) -> tuple[float, float, float, float]:
+        """Global mean class loss, accuracy, image count and mean mask loss; raises on a non-finite loss or
+        weight (all ranks)."""
+        dev, progress = self.dev, self.progress
+        bad_weights = sum(~torch.isfinite(local(p.detach())).all() for p in self.model.parameters())
+        seen = torch.tensor(float(progress.seen), dtype=torch.float64, device=dev)
+        bad_weights = torch.as_tensor(bad_weights, dtype=torch.float64, device=dev)
+        stats = torch.stack([self.loss, self.correct, seen, bad_weights, self.mask])
+        if self.d.enabled:
+            stats = stats.clone()
+            torch.distributed.all_reduce(stats)
+        loss, corr, n, bad, mask = stats.tolist()
+        loss_all = loss + mask
+        if not math.isfinite(loss_all) or bad:
+            what = "the weights became inf or NaN"
+            if not math.isfinite(loss_all):
+                what = f"the training loss became {loss_all}"
+            raise NonFiniteLoss(
+                f"{self.desc}: {what} by step {progress.step} of the epoch; stopping. "
+                "The last good checkpoint is kept (lower train.lr, or set train.grad_clip)"
+            )
+        return loss / max(n, 1), corr / max(n, 1), n, mask / max(n, 1)
+
+    def store(self) -> None:
+        p = self.progress
+        p.loss_sum, p.correct = self.loss.item(), int(self.correct.item())
+        p.mask_loss_sum = self.mask.item()
+        p.elapsed = time.perf_counter() - self.t0
+
+
+def train_step(
+    model: nn.Module,
+    batch: list[torch.Tensor],
+    criterion: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    rt: Runtime,
+    ema: EMA,
+    sums: RunningSums,
+    grad_clip: float,
+    mask_criterion: MaskLoss | None,
+) -> None:
+    """One optimizer step on ``batch`` = [x (B, H, W, C) uint8, y (B,) int64, optional masks (B, H, W) uint8]."""
+    dev = rt.device
+    x, y, *masks = batch
+    x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+    with rt.autocast():
+        if mask_criterion is not None and masks:
+            logits, mask_logits = model(x, with_mask=True)
+            mask_loss = mask_criterion(mask_logits, masks[0].to(dev, non_blocking=True))
+            class_loss = criterion(logits.float(), y)
+            loss = class_loss + mask_loss
+            sums.mask += mask_loss.detach().double() * len(y)
+        else:
+            logits = model(x)
+            loss = class_loss = criterion(logits.float(), y)
+    optimizer.zero_grad(set_to_none=True)
+    rt.scaler.scale(loss).backward()
+    if grad_clip > 0:
+        rt.scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    rt.scaler.step(optimizer)
+    rt.scaler.update()
+    scheduler.step()
+    ema.update(model)
+    sums.loss += class_loss.detach().double() * len(y)  # train_loss: the class loss, like val_loss
+    sums.correct += (logits.detach().argmax(1) == y).sum().double()
+    sums.progress.seen += len(y)
+    sums.progress.step += 1
+
+
 def train_one_epoch(
     model: nn.Module,
     loader: DataLoader,
@@ -280,90 +360,36 @@ def train_one_epoch(
 
     When ``checkpoint_due(progress)`` says so after a step, the loss is checked (on every rank) and
     ``checkpoint(progress)`` saves. A NaN or inf loss raises ``NonFiniteLoss`` before any checkpoint
-    could record the broken weights. The running sums stay on the device between checks, so a GPU is
-    not stalled by a host sync every step. With ``mask_criterion`` the loader also yields masks and the
-    model's mask head is trained beside the classifier (``MaskLoss``).
+    could record the broken weights. The running sums stay on the device between checks (``RunningSums``).
+    With ``mask_criterion`` the loader also yields masks and the model's mask head is trained beside the
+    classifier (``MaskLoss``).
     """
     model.train()
-    dev = rt.device
-    loss_sum = torch.tensor(progress.loss_sum, dtype=torch.float64, device=dev)
-    mask_sum = torch.tensor(progress.mask_loss_sum, dtype=torch.float64, device=dev)
-    correct = torch.tensor(progress.correct, dtype=torch.float64, device=dev)
-    seen0, t0 = progress.seen, time.perf_counter() - progress.elapsed
+    sums, seen0 = RunningSums(progress, model, d, rt.device, desc), progress.seen
     sampler = getattr(loader, "batch_sampler", None)
     total = len(sampler) if sampler is not None else len(loader)
     bar = tqdm(total=total, initial=progress.step, desc=desc, unit="batch", leave=False, disable=not d.is_main)
-
-    def synced() -> tuple[float, float, float, float]:
-        """Global mean class loss, accuracy, image count and mean mask loss; raises on a non-finite loss or
-        weight (all ranks)."""
-        bad_weights = sum(~torch.isfinite(local(p.detach())).all() for p in model.parameters())
-        seen = torch.tensor(float(progress.seen), dtype=torch.float64, device=dev)
-        bad_weights = torch.as_tensor(bad_weights, dtype=torch.float64, device=dev)
-        stats = torch.stack([loss_sum, correct, seen, bad_weights, mask_sum])
-        if d.enabled:
-            stats = stats.clone()
-            torch.distributed.all_reduce(stats)
-        loss, corr, n, bad, mask = stats.tolist()
-        loss_all = loss + mask
-        if not math.isfinite(loss_all) or bad:
-            what = "the weights became inf or NaN"
-            if not math.isfinite(loss_all):
-                what = f"the training loss became {loss_all}"
-            raise NonFiniteLoss(
-                f"{desc}: {what} by step {progress.step} of the epoch; stopping. "
-                "The last good checkpoint is kept (lower train.lr, or set train.grad_clip)"
-            )
-        return loss / max(n, 1), corr / max(n, 1), n, mask / max(n, 1)
-
     batches, waited = iter(loader), 0.0
     while True:
         t_wait = time.perf_counter()
         try:
-            x, y, *masks = next(batches)  # x: (B, H, W, C) uint8, y: (B,) int64, masks: [(B, H, W) uint8]
+            batch = next(batches)
         except StopIteration:
             break
         waited += time.perf_counter() - t_wait  # time the step stood idle, waiting for the data loader
-        x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
-        with rt.autocast():
-            if mask_criterion is not None and masks:
-                logits, mask_logits = model(x, with_mask=True)
-                mask_loss = mask_criterion(mask_logits, masks[0].to(dev, non_blocking=True))
-                class_loss = criterion(logits.float(), y)
-                loss = class_loss + mask_loss
-                mask_sum += mask_loss.detach().double() * len(y)
-            else:
-                logits = model(x)
-                loss = class_loss = criterion(logits.float(), y)
-        optimizer.zero_grad(set_to_none=True)
-        rt.scaler.scale(loss).backward()
-        if grad_clip > 0:
-            rt.scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-        rt.scaler.step(optimizer)
-        rt.scaler.update()
-        scheduler.step()
-        ema.update(model)
-        loss_sum += class_loss.detach().double() * len(y)  # train_loss: the class loss, like val_loss
-        correct += (logits.detach().argmax(1) == y).sum().double()
-        progress.seen += len(y)
-        progress.step += 1
+        train_step(model, batch, criterion, optimizer, scheduler, rt, ema, sums, grad_clip, mask_criterion)
         bar.update(1)
         due = checkpoint is not None and checkpoint_due is not None and checkpoint_due(progress)
         if due or progress.step % sync_every == 0:
-            mean_loss, _, n, _ = synced()
-            elapsed = time.perf_counter() - t0
+            mean_loss, _, n, _ = sums.synced()
+            elapsed = time.perf_counter() - sums.t0
             bar.set_postfix(loss=f"{mean_loss:.3f}", img_s=f"{(n - seen0 * d.world_size) / max(elapsed, 1e-9):.0f}")
         if due:
-            progress.loss_sum, progress.correct = loss_sum.item(), int(correct.item())
-            progress.mask_loss_sum = mask_sum.item()
-            progress.elapsed = time.perf_counter() - t0
+            sums.store()
             checkpoint(progress)
     bar.close()
-    mean_loss, acc, n, mean_mask_loss = synced()
-    progress.loss_sum, progress.correct = loss_sum.item(), int(correct.item())
-    progress.mask_loss_sum = mask_sum.item()
-    progress.elapsed = time.perf_counter() - t0
+    mean_loss, acc, n, mean_mask_loss = sums.synced()
+    sums.store()
     figures = {"train_loss": mean_loss}
     if mask_criterion is not None:  # the mask head's loss; the gradient follows train_loss + train_mask_loss
         figures["train_mask_loss"] = mean_mask_loss
@@ -373,31 +399,3 @@ def train_one_epoch(
         "data_wait_share": waited / max(progress.elapsed, 1e-9),  # of this epoch's training time
         "lr": scheduler.get_last_lr()[0],
     }
-
-
-@torch.no_grad()
-def predict_logits(
-    model: nn.Module, images: np.ndarray, rt: Runtime, d: Dist | None = None, batch_size: int = 64
-) -> np.ndarray:
-    """(N, H, W, C) uint8 -> logits (N, K) float32 in eval mode; with several ranks each does a share.
-
-    Every rank runs the same number of batches (FSDP gathers parameters collectively in each forward),
-    so the shares are padded to equal length and the padding dropped after gathering.
-    """
-    d = d or Dist("none")
-    model.eval()
-    n = len(images)
-    idx = np.minimum(np.arange(math.ceil(n / d.world_size)) * d.world_size + d.rank, max(n - 1, 0))
-    out = []
-    for i in range(0, len(idx), batch_size):
-        x = torch.from_numpy(images[idx[i : i + batch_size]]).to(rt.device)
-        with rt.autocast():
-            out.append(model(x).float().cpu())
-    mine = torch.cat(out).numpy() if out else np.zeros((0, 0), np.float32)
-    if not d.enabled:
-        return mine[:n]
-    gathered = d.all_gather_object((idx, mine))
-    logits = np.zeros((n, mine.shape[1]), np.float32)
-    for i, part in gathered:
-        logits[i] = part
-    return logits

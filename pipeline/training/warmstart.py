@@ -20,6 +20,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from mlflow.artifacts import download_artifacts
+from mlflow.exceptions import MlflowException
 from torch import nn
 
 from pipeline import checkpoint, tracking
@@ -80,9 +82,6 @@ def resolve_init(params: Params) -> WarmStart | None:
 
 
 def _champion(params: Params) -> WarmStart | None:
-    from mlflow.artifacts import download_artifacts
-    from mlflow.exceptions import MlflowException
-
     client = tracking.client_for(params.mlflow)
     name = params.promote.model_name
     try:

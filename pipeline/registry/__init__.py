@@ -1,0 +1,1 @@
+"""The registry phase: register the export in MLflow's model registry and move the champion alias."""

@@ -1,0 +1,2 @@
+"""The training phase: the recipe (members, tile model, packing), fitting one model, the step loop,
+checkpoint state and warm start."""
