@@ -503,7 +503,10 @@ def tile_params(p: Params) -> Params:
     return params_from_dict(apply_changes(raw, changes, where), source_file=where, derived=False)
 
 
-def load_params(path: str | Path = "params.yaml") -> Params:
+def load_params(path: str | Path = "params.yaml", stage: str | None = None) -> Params:
+    """The checked params of ``path``; the files they name are checked for ``stage`` (every one when None):
+    data.source for ingest, model.pretrained for train, so a clone that pulled data/ with ``dvc pull``
+    runs the later stages without the source folder."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: file not found (run from the project root)")
@@ -512,22 +515,24 @@ def load_params(path: str | Path = "params.yaml") -> Params:
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     params = params_from_dict(raw or {}, str(path))
-    problems = _file_problems(params)
+    problems = _file_problems(params, stage)
     if problems:
         raise ConfigError("\n".join(problems))
     return params
 
 
-def _file_problems(p: Params) -> list[str]:
+def _file_problems(p: Params, stage: str | None = None) -> list[str]:
     """The folder and weights files params name exist where the stages will look: a relative path is read
     from the working directory, as the stages read it (they run in the project root, beside params.yaml).
     Each line starts with the key (the ingest stage's own words), then names the params file."""
     where = f"(set in {p.source_file}; working directory {Path.cwd()})"
     problems = []
     source = Path(p.data.source)
-    if p.data.source != "synthetic" and not source.is_dir():
+    if stage in (None, "ingest") and p.data.source != "synthetic" and not source.is_dir():
         what = "is not a folder (expected one subfolder per class)" if source.exists() else "does not exist"
         problems.append(f"data.source: folder {source} {what} {where}")
+    if stage not in (None, "train"):
+        return problems
     views = {"": p, "tiles.recipe: ": tile_params(p)}
     views |= {f"train.ensemble_members[{k}]: ": member_params(p, k) for k in range(len(p.train.ensemble_members))}
     for who, view in views.items():

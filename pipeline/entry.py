@@ -17,7 +17,7 @@ def run_stage(name: str, main: Callable[[Params], object]) -> None:
     for noisy in ("alembic", "mlflow.store", "urllib3", "matplotlib", "PIL", "git"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
-        main(load_params(os.environ.get("PARAMS_FILE", "params.yaml")))
+        main(load_params(os.environ.get("PARAMS_FILE", "params.yaml"), stage=name))
     except (ConfigError, StageError, FloatingPointError) as exc:
         print(f"\n{name}: error: {exc}", file=sys.stderr)
         sys.exit(2)

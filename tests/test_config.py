@@ -221,6 +221,9 @@ def test_a_missing_data_source_folder_stops_at_load_time(tmp_path, monkeypatch):
     (tmp_path / "images").write_text("not a folder")
     with pytest.raises(ConfigError, match=r"data\.source: folder images is not a folder"):
         load_params(f)
+    assert load_params(f, stage="evaluate").data.source == "images"  # data pulled with dvc: later stages run
+    with pytest.raises(ConfigError, match=r"data\.source: folder images is not a folder"):
+        load_params(f, stage="ingest")
     (tmp_path / "images").unlink()
     (tmp_path / "images").mkdir()
     assert load_params(f).data.source == "images"
