@@ -2,7 +2,7 @@
 
 defect ingest NEW_FOLDER [--name NAME]   # add a batch of newly labeled images, then `dvc repro`
 defect mlflow-flush                      # send what stages buffered while the tracking server was down
-defect sweep sweeps/LEVERS.yaml          # measure levers over seeds through dvc repro; table in sweeps/ and MLflow
+defect sweep sweeps/LEVERS.yaml          # levers x seeds as DVC experiments (its queue); table in sweeps/ and MLflow
 """
 
 from __future__ import annotations
@@ -54,9 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     ing.add_argument("--no-dvc", action="store_true", help="do not `dvc add` the batch folder")
     ing.add_argument("--strict", action="store_true", help="exit 3 when any label conflict was found")
     sub.add_parser("mlflow-flush", help="send MLflow calls buffered while the tracking server was unreachable")
-    sw = sub.add_parser("sweep", help="measure levers (param changes) over seeds, paired, through dvc repro")
+    sw = sub.add_parser("sweep", help="measure levers (param changes) over seeds, paired, as queued DVC experiments")
     sw.add_argument("levers", type=Path, help="a levers file, e.g. sweeps/magnetic_tiles.yaml")
-    sw.add_argument("--until", default="evaluate", help="the last stage each run reproduces (default: evaluate)")
+    sw.add_argument("--until", default="evaluate", help="the last stage each experiment runs (default: evaluate)")
+    sw.add_argument("--jobs", type=int, default=1, help="experiments run at a time (dvc exp run --run-all -j)")
     args = ap.parse_args(argv)
     if args.command == "mlflow-flush":
         return flush_command(args)
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "sweep":
             from pipeline.sweep import run_sweep  # its own module's imports (dvc, mlflow) only when sweeping
 
-            return run_sweep(args.levers, args.until)
+            return run_sweep(args.levers, args.until, args.jobs)
         return ingest_command(args)
     except ConfigError as exc:
         print(f"defect {args.command}: error: {exc}", file=sys.stderr)

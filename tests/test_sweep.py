@@ -1,27 +1,61 @@
-"""`defect sweep`: levers measured over seeds through real `dvc repro` runs, reported in sweeps/ and MLflow."""
+"""`defect sweep`: levers measured over seeds as experiments in DVC's own queue, reported in sweeps/ and MLflow."""
 
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
 from pipeline.config import ConfigError
-from pipeline.sweep import load_sweep, params_changed, plan
+from pipeline.sweep import (
+    Sweep,
+    experiment_name,
+    load_sweep,
+    params_changed,
+    plan,
+    queue,
+    show,
+    summarize,
+    write_table,
+)
 from tests.conftest import ROOT, copy_project, load_default_params, tiny_params, venv_env
+
+GAMMA_ONLY = [
+    {"name": "Sequential", "p": 0.5, "transforms": [{"name": "RandomGamma", "gamma_limit": [70, 150], "p": 0.5}]}
+]
 
 
 def write(path: Path, data: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
+
+
+def git(project: Path, *args: str) -> str:
+    cmd = ["git", "-c", "user.name=test", "-c", "user.email=test@example.com", *args]
+    return subprocess.run(cmd, cwd=project, check=True, capture_output=True, text=True).stdout
+
+
+def dvc(project: Path, *args: str) -> str:
+    cmd = [sys.executable, "-m", "dvc", *args]
+    return subprocess.run(cmd, cwd=project, env=venv_env(), check=True, capture_output=True, text=True).stdout
+
+
+def experiments(project: Path) -> dict[str, dict]:
+    """What `dvc exp show --json` says of each experiment, by name, and the params.yaml it ran with."""
+    out = {}
+    for baseline in json.loads(dvc(project, "exp", "show", "--json")):
+        for entry in baseline.get("experiments") or []:
+            rev = entry["revs"][0]
+            metrics = {path: m.get("data") for path, m in rev["data"]["metrics"].items()}
+            params = yaml.safe_load(git(project, "show", f"{rev['rev']}:params.yaml"))
+            out[rev["name"]] = {"state": entry["executor"]["state"], "metrics": metrics, "params": params}
+    return out
 
 
 def sweep(project: Path, levers: str) -> subprocess.CompletedProcess:
@@ -33,90 +67,165 @@ def sweep(project: Path, levers: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def swept(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    """A project whose tiny sweep ran: the default and a two-epoch lever, one seed each."""
+    """A committed project whose tiny sweep ran: the default and a lever of two epochs, gamma only, seed 3."""
     project = copy_project(tmp_path_factory.mktemp("sweep"))
     write(project / "params.yaml", tiny_params(**{"model.name": "test_efficientnet"}))
-    subprocess.run(["git", "add", "-A"], cwd=project, check=True)
-    levers = {
-        "name": "tiny",
-        "seeds": [3],
-        "levers": {"default": {}, "two epochs": {"train.epochs": 2}, "two members": {"train.ensemble": 2}},
-    }
+    lever = {"train.epochs": 2, "augment.policy": GAMMA_ONLY}
+    levers = {"name": "tiny", "seeds": [3], "levers": {"default": {}, "two epochs, gamma only": lever}}
     write(project / "sweeps/tiny.yaml", levers)
+    git(project, "add", "-A")
+    git(project, "commit", "-q", "-m", "tiny project")  # experiments are based on a commit
     return project, sweep(project, "sweeps/tiny.yaml")
 
 
-def test_each_lever_runs_the_pipeline_with_its_params_and_the_table_reports_its_figures(swept):
+def test_each_lever_and_seed_is_a_dvc_experiment_that_ran_with_its_params(swept):
     project, proc = swept
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "[1/3] default, seed 3" in proc.stdout and "[2/3] two epochs, seed 3" in proc.stdout
-    out = project / "sweeps/tiny"
-    for lever, epochs in (("default", 1), ("two-epochs", 2)):
-        run = out / lever / "seed3"
-        used = yaml.safe_load((run / "params.yaml").read_text())
-        assert used["train"]["seed"] == 3 and used["train"]["epochs"] == epochs
-        history = (run / "reports/train/history.csv").read_text().strip().splitlines()
-        assert len(history) == 1 + epochs  # the lever reached the training: one row per epoch
-        assert (run / "reports/evaluate/roc.png").stat().st_size > 0
-    rows = json.loads((out / "runs.json").read_text())
-    evaluation = json.loads((out / "two-epochs/seed3/reports/evaluate/metrics.json").read_text())
-    two = next(r for r in rows if r["lever"] == "two epochs")
-    assert two["recall_at_far"] == evaluation["defect_recall_at_far_threshold"]
-    assert two["auc"] == evaluation["roc_auc"] and two["accuracy"] == evaluation["accuracy"]
-    # an ensemble's training time is its members' together (its own metrics.json has no epoch count)
-    members = json.loads((out / "two-members/seed3/reports/train/metrics.json").read_text())["members"]
-    assert len(members) == 2 and all(m["epochs_run"] == 1 for m in members)
-    each = [m["epoch_images"] / m["train_img_s"] for m in members]
-    assert next(r for r in rows if r["lever"] == "two members")["train_s"] == pytest.approx(sum(each), abs=0.2)
-    table = (out / "summary.md").read_text()
-    assert f'| two epochs | `{{"train.epochs": 2}}` | {two["recall_at_far"]:.2f} ({two["far"]:.2f})' in table
-    assert (out / "levers.png").stat().st_size > 0
+    assert "[1/2] default, seed 3: queued (experiment tiny-default-s3)" in proc.stdout
+    assert "dvc exp run --run-all" in proc.stdout
+    exps = experiments(project)
+    assert set(exps) == {"tiny-default-s3", "tiny-two-epochs-gamma-only-s3"}
+    for name, epochs, policy in (("tiny-default-s3", 1, load_default_params()["augment"]["policy"]),
+                                 ("tiny-two-epochs-gamma-only-s3", 2, GAMMA_ONLY)):  # fmt: skip
+        e = exps[name]
+        assert e["state"] == "success"
+        assert e["params"]["train"]["seed"] == 3 and e["params"]["train"]["epochs"] == epochs
+        assert e["params"]["augment"]["policy"] == policy
+        # the lever reached the training: one epoch row each, in the experiment's own metrics
+        assert e["metrics"]["reports/train/metrics.json"]["epochs_run"] == epochs
+        # the copy DVC ran it in logged to the project's MLflow store, not to one deleted with the copy
+        assert e["params"]["mlflow"]["tracking_uri"] == f"sqlite:///{project / 'mlflow.db'}"
 
 
-def test_params_yaml_is_put_back_after_the_sweep(swept):
+def test_the_workspace_is_not_run_in_and_params_yaml_stays_as_it_was(swept):
     project, _ = swept
-    assert yaml.safe_load((project / "params.yaml").read_text()) == tiny_params(**{"model.name": "test_efficientnet"})
-    # byte for byte what was staged before the sweep
-    assert subprocess.run(["git", "diff", "--quiet", "params.yaml"], cwd=project).returncode == 0
+    assert subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "params.yaml"], cwd=project).returncode == 0
+    assert not (project / "models").exists() and not (project / "data").exists()  # the runs were DVC's copies
 
 
-def test_the_sweep_is_an_mlflow_run_with_the_trainings_nested_under_it(swept):
+def test_the_table_pairs_each_lever_with_the_reference_from_the_experiments_figures(swept):
+    project, _ = swept
+    exps = experiments(project)
+    ref = exps["tiny-default-s3"]["metrics"]["reports/evaluate/metrics.json"]
+    two = exps["tiny-two-epochs-gamma-only-s3"]["metrics"]["reports/evaluate/metrics.json"]
+    rows = {r["experiment"]: r for r in json.loads((project / "sweeps/tiny/runs.json").read_text())}
+    assert rows["tiny-two-epochs-gamma-only-s3"]["recall_at_far"] == two["defect_recall_at_far_threshold"]
+    assert rows["tiny-two-epochs-gamma-only-s3"]["auc"] == two["roc_auc"]
+    recall, far = two["defect_recall_at_far_threshold"], two["false_alarm_rate_at_far_threshold"]
+    paired = recall - ref["defect_recall_at_far_threshold"]
+    table = (project / "sweeps/tiny/summary.md").read_text()
+    changes = json.dumps(load_sweep(project / "sweeps/tiny.yaml").levers["two epochs, gamma only"])
+    assert (
+        f"| two epochs, gamma only | `{changes}` | {recall:.2f} ({far:.2f}) | {recall:.2f} | {paired:+.2f} (1) |"
+        in table
+    )
+    assert (project / "sweeps/tiny/levers.png").stat().st_size > 0
+
+
+def test_the_sweep_is_an_mlflow_run_with_the_experiments_trainings_nested_under_it(swept):
     project, _ = swept
     client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
     runs = client.search_runs(client.get_experiment_by_name("defect-detection").experiment_id)
     parent = next(r for r in runs if r.info.run_name == "sweep tiny")
-    assert {"sweep/summary.md", "sweep/summary.csv", "sweep/levers.png"} <= {
+    assert {"sweep/summary.md", "sweep/summary.csv", "sweep/levers.png", "sweep/runs.json"} <= {
         a.path for a in client.list_artifacts(parent.info.run_id, "sweep")
     }
-    assert "two-epochs.recall_at_far_mean" in parent.data.metrics
+    assert "two-epochs-gamma-only.recall_vs_reference" in parent.data.metrics
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
-    assert sorted(r.data.tags["sweep.lever"] for r in children) == ["default", "two epochs", "two members"]
-    assert all(r.data.params["train.epochs"] in ("1", "2") for r in children)  # the training runs themselves
+    assert sorted(r.data.tags["sweep.experiment"] for r in children) == [
+        "tiny-default-s3", "tiny-two-epochs-gamma-only-s3"
+    ]  # fmt: skip
+    assert sorted(r.data.params["train.epochs"] for r in children) == ["1", "2"]  # the training runs themselves
 
 
-def test_a_second_sweep_keeps_finished_runs(swept):
+def test_a_second_sweep_keeps_the_finished_experiments(swept):
     project, _ = swept
     proc = sweep(project, "sweeps/tiny.yaml")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.count("done before, kept") == 3 and "dvc repro evaluate (log" not in proc.stdout
+    assert proc.stdout.count("done before, kept") == 2 and "--run-all" not in proc.stdout
+    assert len(experiments(project)) == 2
 
 
-def test_a_finished_run_with_other_params_names_the_keys_that_make_it_run_again(tmp_path):
+def test_the_table_pairs_by_seed_over_the_seeds_both_finished(tmp_path):
+    """A lever is compared seed by seed with the reference, only where both finished: seed noise on small
+    data is larger than most levers, so an unpaired mean over other seeds would mislead."""
+    sw = Sweep("pairs", {}, [0, 1, 2], {"default": {}, "lever": {"train.epochs": 2}})
+
+    def row(lever, seed, recall, rc=0):
+        return {"lever": lever, "seed": seed, "rc": rc, "recall_at_far": recall, "far": 0.01, "auc": 0.9}
+
+    rows = [row("default", 0, 0.5), row("default", 1, 0.9), row("default", 2, 0.6),
+            row("lever", 0, 0.7), row("lever", 1, None, rc=1), row("lever", 2, 0.7)]  # fmt: skip
+    table = summarize(sw, rows, 0.03)
+    lever = table[1]
+    assert lever["recall_vs_reference"] == pytest.approx(((0.7 - 0.5) + (0.7 - 0.6)) / 2)  # seed 1 failed
+    assert (lever["paired_seeds"], lever["seeds"], lever["failed"]) == (2, 2, 1)
+    assert table[0]["recall_vs_reference"] != table[0]["recall_vs_reference"]  # the reference: no pair (NaN)
+    write_table(table, tmp_path, sw, 0.03)
+    assert (
+        '| lever | `{"train.epochs": 2}` | 0.70 (0.01) / 0.70 (0.01) (1 failed) | 0.70 | +0.15 (2) |'
+        in (tmp_path / "summary.md").read_text()
+    )
+
+
+@pytest.fixture
+def scratch(tmp_path, monkeypatch) -> Path:
+    """A committed git + DVC repo holding the default params.yaml and a stage that reads them (never run)."""
+    git(tmp_path, "init", "-q")
+    dvc(tmp_path, "init", "-q")
+    (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    write(tmp_path / "dvc.yaml", {"stages": {"s": {"cmd": "true", "params": ["data", "train", "augment", "tiles"]}}})
+    git(tmp_path, "add", "-A")
+    git(tmp_path, "commit", "-q", "-m", "scratch")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_queued_experiments_hold_exactly_the_planned_params(scratch):
+    """Lists of mappings, mappings whose keys hold dots, quotes and spaces in a path: each goes through
+    `dvc exp run --queue -S` (Hydra's grammar) and the queued params.yaml reads back as planned."""
+    now = yaml.safe_load((scratch / "params.yaml").read_text())
+    sw = Sweep("odd", {"data.source": "it's a folder/with space"}, [0], {
+        "default": {},
+        "gamma only": {"augment.policy": GAMMA_ONLY, "tiles.use": False},
+        "members": {"train.ensemble_members": [{"train.epochs": 40}, {}, {"augment.policy": GAMMA_ONLY}]},
+        "short tiles": {"tiles.recipe": {"train.epochs": 3}},
+    })  # fmt: skip
+    runs = plan(sw, now)
+    assert queue(sw, runs, now, until="") == {"kept": 0, "pending": 0, "queue": 4}
+    found = show()
+    for lever, seed, p in runs:
+        (e,) = found[experiment_name(sw, lever, seed)]
+        held = yaml.safe_load(git(scratch, "show", f"{e.rev}:params.yaml"))
+        assert e.state == "queued" and held == p and params_changed(held, p) == ""
+    assert held["tiles"]["recipe"] == {"train.epochs": 3}  # replaced, not merged into the default's recipe
+    assert runs[0][2]["data"]["source"] == str(scratch / "it's a folder/with space")  # made absolute
+    assert yaml.safe_load((scratch / "params.yaml").read_text()) == now  # the workspace's file is as it was
+
+
+def test_a_value_the_stages_would_read_otherwise_is_refused_and_leaves_the_queue(scratch):
+    """DVC writes a float under 1e-4 as 1e-05, which the stages' YAML reader takes for a string."""
+    now = yaml.safe_load((scratch / "params.yaml").read_text())
+    sw = Sweep("tiny-decay", {}, [0], {"decay": {"train.weight_decay": 0.00001}})
+    with pytest.raises(SystemExit, match=r'tiny-decay-decay-s0: train.weight_decay: "1e-05" -> 1e-05'):
+        queue(sw, plan(sw, now), now, until="")
+    assert show() == {}
+
+
+def test_a_finished_run_with_other_params_names_the_keys_that_make_it_run_again():
     """A key params.yaml gained after a run finished (a new knob) reruns it: the sweep says which key, so an
     hour of retraining is never a surprise."""
     now = load_default_params()
     before = yaml.safe_load(yaml.safe_dump(now))
     del before["augment"]["orientation"]
     before["train"]["epochs"] = 40
-    write(tmp_path / "params.yaml", before)
-    changed = params_changed(tmp_path, now)
+    changed = params_changed(before, now)
     assert 'augment.orientation: "(absent)" -> "free"' in changed
     assert f"train.epochs: 40 -> {now['train']['epochs']}" in changed and changed.count(" -> ") == 2
-    write(tmp_path / "params.yaml", now)
-    assert params_changed(tmp_path, now) == ""
+    assert params_changed(now, now) == ""
 
 
-def test_a_lever_naming_a_missing_param_stops_before_anything_runs(tmp_path):
+def test_a_lever_naming_a_missing_param_stops_before_anything_is_queued(tmp_path):
     levers = write(tmp_path / "l.yaml", {"seeds": [0], "levers": {"default": {}, "typo": {"train.epochz": 3}}})
     with pytest.raises(ConfigError, match=r"levers\.typo: train\.epochz: params.yaml has no such key"):
         plan(load_sweep(levers), load_default_params())
@@ -131,132 +240,8 @@ def test_a_lever_naming_a_missing_param_stops_before_anything_runs(tmp_path):
 
 @pytest.mark.parametrize("levers", sorted((ROOT / "sweeps").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_levers_file_plans_against_the_default_params(levers):
-    """The sweeps the README points at (the measured levers of the tile docs) still name real keys and
-    valid values of params.yaml: a renamed param fails here, not an hour into someone's sweep."""
-    runs = plan(load_sweep(levers), load_default_params())
+    """The levers files the README points at still name real keys and valid values of params.yaml: a renamed
+    param fails here, not an hour into someone's sweep."""
+    runs = plan(load_sweep(levers), load_default_params(), ROOT)
     assert runs and all(p["train"]["seed"] == seed for _, seed, p in runs)
-
-
-def test_ensemble_mix_scores_the_swept_models_as_the_evaluate_stage_does(swept):
-    """experiments/ensemble_mix.py: a one-member "ensemble" of a run reproduces that run's evaluate figures
-    (the same model from MLflow, the same val-chosen cut), and a mix of two levers is scored too."""
-    project, _ = swept
-    env = venv_env()
-    env["PYTHONPATH"] = str(project)
-    proc = subprocess.run(
-        [sys.executable, "experiments/ensemble_mix.py", "sweeps/tiny", "--mix", "two epochs:1",
-         "--mix", "default:1,two epochs:1", "--out", "mix.md"],
-        cwd=project, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    two = json.loads((project / "sweeps/tiny/two-epochs/seed3/result.json").read_text())
-    summary, layouts = (project / "mix.md").read_text().split("\n\n")
-    rows = {line.split(" | ")[0].strip("| "): line for line in summary.splitlines()}
-    assert f"| two epochs:1 | 1 | {two['recall_at_far']:.2f} ({two['recall_at_far']:.2f}) |" in rows["two epochs:1"]
-    assert f"| {two['auc']:.3f} |" in rows["two epochs:1"] and f"| {two['accuracy']:.2f} |" in rows["two epochs:1"]
-    assert rows["default:1,two epochs:1"].startswith("| default:1,two epochs:1 | 1 | ")
-    # the layout train.ensemble_members would train for train.seed 3: only the one-lever mix has its seeds
-    assert "| two epochs:1 | 3 | two epochs 3 |" in layouts and "default 3, two epochs 4" not in layouts
-    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
-    runs = client.search_runs(client.get_experiment_by_name("defect-detection").experiment_id)
-    logged = next(r for r in runs if r.info.run_name == "ensemble mix")
-    assert logged.data.metrics["two-epochs-1.auc_mean"] == pytest.approx(two["auc"])
-    assert [a.path for a in client.list_artifacts(logged.info.run_id, "ensemble_mix")] == ["ensemble_mix/mix.md"]
-    # counting val OK images instead of parts: every synthetic image is its own part, so the same cut
-    by_images = subprocess.run(
-        [sys.executable, "experiments/ensemble_mix.py", "sweeps/tiny", "--mix", "two epochs:1", "--val-count",
-         "images", "--out", "images.md"],
-        cwd=project, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert by_images.returncode == 0, by_images.stderr[-2000:]
-    assert rows["two epochs:1"] in (project / "images.md").read_text()
-    bad = subprocess.run(
-        [sys.executable, "experiments/ensemble_mix.py", "sweeps/tiny", "--mix", "gamma only:1"],
-        cwd=project, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert bad.returncode != 0 and "'gamma only' has 0 finished runs" in bad.stderr
-
-
-def test_ensemble_mix_scores_a_member_of_another_input_size_on_the_same_images_at_its_size(swept, tmp_path):
-    """--prepared-at SIZE=DIR: a member trained at another prepare.image_size is scored on the same split
-    prepared at that size (so ensembles may mix input sizes); a missing size or other images stop with the
-    option to give."""
-    from pipeline.config import params_from_dict
-    from pipeline.prepare import prepare
-    from pipeline.validate import read_manifest
-
-    project, _ = swept
-    env = venv_env()
-    env["PYTHONPATH"] = str(project)
-    params = params_from_dict(tiny_params(**{"prepare.image_size": 48}))
-    manifest = read_manifest(project / "data/validated/manifest.csv")
-    at48 = tmp_path / "prepared48"
-    prepare(manifest, project / "data/raw/images", sorted({r["label"] for r in manifest}), params.data.ok_class,
-            params.data.channels, params.prepare, at48)  # fmt: skip
-    # the same sweep, its 'two epochs' model now said to be trained at 48 px (the network takes any size)
-    folder = tmp_path / "sweeps/tiny"
-    shutil.copytree(project / "sweeps/tiny", folder)
-    used = folder / "two-epochs/seed3/params.yaml"
-    changed = yaml.safe_load(used.read_text())
-    changed["prepare"]["image_size"] = 48
-    write(used, changed)
-
-    def mix(*extra: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "experiments/ensemble_mix.py", str(folder), "--mix", "two epochs:1", *extra],
-            cwd=project, env=env, capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
-
-    missing = mix("--out", str(tmp_path / "x.md"))
-    assert missing.returncode != 0 and "--prepared-at 48=DIR" in missing.stderr
-    mixed = mix("--prepared-at", f"48={at48}", "--out", str(tmp_path / "mixed.md"))
-    assert mixed.returncode == 0, mixed.stderr[-2000:]
-    # scored at 48 px: the same row as when the 48 px split is the only data (the labels and cut are shared)
-    alone = mix("--prepared", str(at48), "--out", str(tmp_path / "alone.md"))
-    assert alone.returncode == 0, alone.stderr[-2000:]
-    rows = (tmp_path / "alone.md").read_text().splitlines()
-    row = next(line for line in rows if line.startswith("| two epochs:1 | 1 |"))
-    assert row in (tmp_path / "mixed.md").read_text()
-    other = tmp_path / "other"
-    shutil.copytree(at48, other)
-    with np.load(other / "val.npz") as z:
-        arrays = dict(z)
-    arrays["labels"] = arrays["labels"][::-1].copy()
-    np.savez(other / "val.npz", **arrays)
-    wrong = mix("--prepared-at", f"48={other}", "--out", str(tmp_path / "y.md"))
-    assert wrong.returncode != 0 and "its val split holds other images or labels" in wrong.stderr
-
-
-def test_ensemble_mix_redraw_on_the_real_partition_gives_the_splits_own_figures(swept, monkeypatch):
-    """--redraw N re-draws which held-out parts set the cut; drawn as val and test really are, it must give
-    the val-cut recall, the budget check and the oracle of the real split, and the table gains the column."""
-    import importlib.util
-
-    project, _ = swept
-    spec = importlib.util.spec_from_file_location("ensemble_mix", ROOT / "experiments/ensemble_mix.py")
-    mix = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mix)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{project / 'mlflow.db'}")
-    runs = mix.finished_runs([project / "sweeps/tiny"])
-    members = [("default", 3), ("two epochs", 3)]
-    probs = mix.score_runs(runs, members, project / "data/prepared")
-    judge = mix.Judge(project / "data/prepared", 0.03)
-    real = judge([probs[m] for m in members])
-    as_split = np.r_[np.ones(len(judge.y_val), bool), np.zeros(len(judge.y_test), bool)]
-    again = judge.redrawn([probs[m] for m in members], [as_split])
-    assert again["recall"] == pytest.approx(real["recall"]) and again["oracle"] == pytest.approx(real["oracle"])
-    assert again["within"] == float(real["far"] <= 0.03 + 1e-9)
-    draws = judge.draws(20)
-    assert len(draws) == 20 and all(d.shape == as_split.shape for d in draws)
-    assert 0.4 < np.mean([d.mean() for d in draws]) < 0.8  # about the val split's share on the cut side
-    env = venv_env()
-    env["PYTHONPATH"] = str(project)
-    proc = subprocess.run(
-        [sys.executable, "experiments/ensemble_mix.py", "sweeps/tiny", "--mix", "two epochs:1", "--redraw", "20",
-         "--out", "redraw.md"],
-        cwd=project, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    header, _, row = (project / "redraw.md").read_text().splitlines()[:3]
-    assert header.endswith("re-drawn splits (20): recall, within 3%, oracle |")
-    assert row.count("|") == header.count("|") == 9
+    assert all(Path(p["data"]["source"]).is_absolute() or p["data"]["source"] == "synthetic" for _, _, p in runs)
