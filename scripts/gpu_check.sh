@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check: run on a machine with an NVIDIA GPU, with that machine's own python3 and packages
-# (torch, timm, numpy, pytest, pyyaml, tqdm; no installs). Inside 10 minutes it runs
+# (torch, timm, numpy, pytest, pyyaml, tqdm, pydantic; no installs). Inside 10 minutes it runs
 #   1. the tests marked `gpu` (fp16 + GradScaler, bf16, NCCL DDP/FSDP, ...), and
 #   2. the training-throughput benchmark of the default EfficientNet at 224 px, batch 256: fp32 vs AMP,
 #      with and without channels_last, and AMP + channels_last + torch.compile, side by side in one
@@ -17,7 +17,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else "NO GPU")' | tee "$out/env.txt"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>"$out/env.txt" 2>/dev/null || true
 
-# -p no:cacheprovider: write nothing into the tree; the conftest needs only pyyaml at import.
+# -p no:cacheprovider: write nothing into the tree; the conftest needs pyyaml and torch at import,
+# pipeline.config pydantic (pip's wheel; carry it where that machine lacks it).
 timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py 2>&1 | tee "$out/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 

@@ -15,6 +15,7 @@ import torch
 from pipeline.config import ConfigError, ModelConfig
 from pipeline.model import create_model
 from pipeline.runtime import cpu_has_native_bf16, resolve_runtime
+from pipeline.seeds import AUGMENT, ORDER, derive_seed
 from pipeline.training.loop import EMA, EpochBatches, FocalLoss, RankingLoss
 from tests.conftest import ROOT, venv_env
 
@@ -24,6 +25,18 @@ LABELS = np.array([0] * 70 + [1] * 20 + [2] * 10)
 def epoch_indices(sampler: EpochBatches, epoch: int, start: int = 0) -> list[int]:
     sampler.set_epoch(epoch, start)
     return [i for batch in sampler for i, _ in batch]
+
+
+def test_every_image_of_every_epoch_on_every_rank_draws_its_own_augmentation_stream():
+    seeds = []
+    for epoch in range(3):
+        for rank in range(2):
+            sampler = EpochBatches(LABELS, 8, seed=0, rank=rank, world=2)
+            sampler.set_epoch(epoch)
+            seeds += [s for batch in sampler for _, s in batch]
+    assert len(seeds) == len(set(seeds)) == 3 * 2 * (100 // 2 // 8) * 8
+    assert derive_seed(0, ORDER, 1) != derive_seed(0, AUGMENT, 1) != derive_seed(1, ORDER, 0)  # purposes apart
+    assert all(0 <= s < 2**31 for s in seeds)  # what torch, albumentations and numpy all accept
 
 
 def test_ranks_get_disjoint_equal_shares_of_a_new_order_each_epoch():

@@ -18,6 +18,7 @@ data, drawn in every orientation, dropping them cost accuracy: README).
 from __future__ import annotations
 
 from pipeline.plots import image_grid
+from pipeline.seeds import BALANCE, derive_seed
 from pipeline.data.prepare import load_split, read_summary
 import inspect
 import logging
@@ -237,7 +238,7 @@ def balance_copies(
         members = np.nonzero(labels == c)[0]
         for k in range(max(0, target - n) if n else 0):
             i = members[k % n]
-            seed_policy(policy, (seed * 1_000_003 + c * 100_003 + k) % 2**31)
+            seed_policy(policy, derive_seed(seed, BALANCE, c, k))
             copy = apply_policy(policy, images[i])
             if copy.shape != images[i].shape:
                 raise ConfigError(

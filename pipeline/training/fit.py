@@ -39,6 +39,7 @@ from pipeline.metrics import binary_metrics, group_weights, roc_auc, softmax, th
 from pipeline.model import create_model, predict_logits
 from pipeline.plots import curves_plot
 from pipeline.runtime import Runtime
+from pipeline.seeds import DROPOUT, derive_seed
 from pipeline.training.loop import EMA, EpochBatches, EpochProgress, FocalLoss, MaskLoss, RankingLoss, train_one_epoch
 from pipeline.training.state import Checkpointer
 from pipeline.training.warmstart import WarmStart, resolve_init
@@ -378,7 +379,7 @@ def fit(
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     ema = EMA(model, cfg.ema)
     criterion, mask_criterion = objective(params, data, rt)
-    torch.manual_seed(cfg.seed * 7919 + d.rank)  # this rank's dropout stream from here on
+    torch.manual_seed(derive_seed(cfg.seed, DROPOUT, d.rank))  # this rank's dropout stream from here on
 
     fingerprint = training_fingerprint(params, prepared_dir, init.identity if init else "")
     ckpt = Checkpointer(out_dir / "checkpoints", fingerprint, model, optimizer, scheduler, ema, rt, d, cfg.keep_last,

@@ -27,10 +27,7 @@ from tqdm import tqdm
 from pipeline.data.masks import MASK_UNKNOWN
 from pipeline.distributed import Dist, unwrap
 from pipeline.runtime import Runtime
-
-
-def epoch_seed(seed: int, epoch: int) -> int:
-    return (seed * 1_000_003 + epoch) % 2**31
+from pipeline.seeds import AUGMENT, ORDER, derive_seed
 
 
 class EpochBatches(Sampler[list[tuple[int, int]]]):
@@ -75,7 +72,7 @@ class EpochBatches(Sampler[list[tuple[int, int]]]):
         self.epoch, self.start = epoch, start
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        g = torch.Generator().manual_seed(epoch_seed(self.seed, self.epoch))
+        g = torch.Generator().manual_seed(derive_seed(self.seed, ORDER, self.epoch))
         if self.weights is not None:
             order = torch.multinomial(self.weights, self.n, replacement=True, generator=g)
         elif self.majority_kept < len(self.majority_idx):
@@ -85,11 +82,10 @@ class EpochBatches(Sampler[list[tuple[int, int]]]):
         else:
             order = torch.randperm(self.n, generator=g)
         mine = order[: self.per_rank * self.world][self.rank :: self.world].tolist()
-        base = epoch_seed(self.seed, self.epoch) * 7919
         size = min(self.batch_size, len(mine))
         for b in range(self.start, len(self)):
-            positions = range(b * size, (b + 1) * size)
-            yield [(mine[p], (base + p * self.world + self.rank) % 2**31) for p in positions]
+            places = [p * self.world + self.rank for p in range(b * size, (b + 1) * size)]  # in the whole epoch
+            yield [(mine[q // self.world], derive_seed(self.seed, AUGMENT, self.epoch, q)) for q in places]
 
 
 class FocalLoss(nn.Module):
