@@ -197,3 +197,30 @@ def test_retraining_warm_starts_from_a_model_with_tiles(tiled):
     resolve_init(params).load_into(fresh, params.model.name)
     for name, value in member.members[0].state_dict().items():
         assert torch.equal(fresh.state_dict()[name], value), name
+
+
+def test_tiles_are_cut_at_full_resolution_and_labeled_by_the_defect_mask():
+    rng = np.random.default_rng(0)
+    image = rng.integers(0, 256, (200, 300, 3), dtype=np.uint8)
+    pieces = cut_tiles(image, 128)
+    assert [(x, y) for x, y, _ in pieces] == [(x, y) for y in (0, 72) for x in (0, 86, 172)]
+    covered = np.zeros((200, 300), bool)
+    for x, y, t in pieces:
+        assert t.shape == (128, 128, 3) and np.array_equal(t, image[y : y + 128, x : x + 128])  # 1:1, no resampling
+        covered[y : y + 128, x : x + 128] = True
+    assert covered.all() and spans(128, 128) == [0] and spans(129, 128) == [0, 1]
+    ((x, y, small),) = cut_tiles(image[:90, :100], 128)
+    top, left = (128 - 90) // 2, (128 - 100) // 2
+    assert np.array_equal(small[top : top + 90, left : left + 100], image[:90, :100])  # padded, not scaled
+
+    mask = np.zeros((200, 300), bool)
+    mask[10:15, 10:15] = True  # 25 px in the first tile only
+    mask[150:152, 295:299] = True  # 8 px, in the last tile: too few to call it a defect, too many to call it clean
+    positions = [(x, y) for x, y, _ in pieces]
+    assert tile_labels(mask, 3, 0, positions, 128, 16) == [3, 0, 0, 0, 0, None]
+    assert tile_labels(None, 3, 0, positions, 128, 16) == [None] * 6  # a defect without a mask: not known where
+    assert tile_labels(None, 0, 0, positions, 128, 16) == [0] * 6  # every tile of an OK image is OK
+
+    probs = np.array([[0.9, 0.1, 0.0], [0.3, 0.2, 0.5], [0.95, 0.05, 0.0], [0.6, 0.4, 0.0]], np.float32)
+    out = image_probs(probs, np.array([0, 0, 1, 1]), 2, ok_index=0)
+    assert np.array_equal(out, probs[[1, 3]])  # each image: its most suspicious tile's probabilities
