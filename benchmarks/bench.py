@@ -57,10 +57,13 @@ TARGETS = {
 
 def machine() -> dict:
     cpu = next(
-        (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-         if line.startswith("model name")),
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
         platform.processor(),
-    )  # fmt: skip
+    )
     return {"cpu": cpu, "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d"), "python": platform.python_version()}
 
 
@@ -80,8 +83,11 @@ def inference(quick: bool) -> dict:
     x, _ = driver.inputs_of(rs, x, files)
     fns, compile_note = driver.contenders(rs, src, compile_=COMPILE)
     print(f"inference: torch.compile {compile_note}")
-    report: dict = {"compile": compile_note, "variants": list(rs), "photographs_with_tiles": rs["fp32"].card.tiles
-                    is not None}  # fmt: skip
+    report: dict = {
+        "compile": compile_note,
+        "variants": list(rs),
+        "photographs_with_tiles": rs["fp32"].card.tiles is not None,
+    }
     report |= driver.compare(fns, x, [1, 8, 32], 10 if quick else 30, 3)
     report["end_to_end"] = driver.files_end_to_end(rs, files, 2 if quick else 3, 32)
     print("inference end to end: " + json.dumps(report["end_to_end"]))
@@ -108,9 +114,16 @@ def size_sweep(quick: bool) -> dict:
         head = ExportHead(make_model(params["model"]["name"], torch.device("cpu"), channels_last=False), 0).eval()
         for size in (96, 128, 160, 192, 224) if not quick else (96, 128):
             path = Path(tmp) / f"m{size}.onnx"
-            torch.onnx.export(head, (torch.zeros(2, size, size, 3, dtype=torch.uint8),), str(path),
-                              input_names=["image"], output_names=["probs", "defect_score"],
-                              dynamic_axes={"image": {0: "batch"}}, opset_version=17, dynamo=False)  # fmt: skip
+            torch.onnx.export(
+                head,
+                (torch.zeros(2, size, size, 3, dtype=torch.uint8),),
+                str(path),
+                input_names=["image"],
+                output_names=["probs", "defect_score"],
+                dynamic_axes={"image": {0: "batch"}},
+                opset_version=17,
+                dynamo=False,
+            )
             sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
             sess.run(None, {"image": np.zeros((32, size, size, 3), np.uint8)})
 
@@ -223,10 +236,21 @@ def training(quick: bool) -> dict:
     out = OUT / "train_throughput.json"
     steps, rounds = ("4", "3") if quick else ("8", "5")
     subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks/train_throughput.py"), "--mode", "loop", "--steps", steps,
-         "--rounds", rounds, "--out", str(out)],
-        check=True, cwd=ROOT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "benchmarks/train_throughput.py"),
+            "--mode",
+            "loop",
+            "--steps",
+            steps,
+            "--rounds",
+            rounds,
+            "--out",
+            str(out),
+        ],
+        check=True,
+        cwd=ROOT,
+    )
     result = json.loads(out.read_text())
     rows = {r["name"]: r for r in result["results"]}
     stage = next(r for n, r in rows.items() if n.startswith("stage loop"))
@@ -394,8 +418,13 @@ def other_tables(checks: list) -> list[str]:
     pipe = load("pipeline")
     if pipe:
         kind = "`dvc exp run -S train.epochs=2` (quick)" if pipe["quick"] else "`dvc repro` with the defaults"
-        lines += ["## Pipeline", "", f"- from scratch, {kind}: {pipe['from_scratch_s']:.0f} s",
-                  f"- no-op `dvc repro`: {pipe['noop_s']:.1f} s", ""]  # fmt: skip
+        lines += [
+            "## Pipeline",
+            "",
+            f"- from scratch, {kind}: {pipe['from_scratch_s']:.0f} s",
+            f"- no-op `dvc repro`: {pipe['noop_s']:.1f} s",
+            "",
+        ]
     return lines
 
 

@@ -124,10 +124,15 @@ def main() -> None:
         onnx_path = Path(tmp) / "model.onnx"
         head = ExportHead(make_model(args.model, torch.device("cpu"), channels_last=False), ok_index=0).eval()
         torch.onnx.export(
-            head, (torch.zeros(2, size, size, 3, dtype=torch.uint8),), str(onnx_path), input_names=["image"],
-            output_names=["probs", "defect_score"], dynamic_axes={"image": {0: "batch"}}, opset_version=17,
+            head,
+            (torch.zeros(2, size, size, 3, dtype=torch.uint8),),
+            str(onnx_path),
+            input_names=["image"],
+            output_names=["probs", "defect_score"],
+            dynamic_axes={"image": {0: "batch"}},
+            opset_version=17,
             dynamo=False,
-        )  # fmt: skip
+        )
         results = {}
         for bs in args.batches:
             contenders = torch_contenders(args.model, size, bs)

@@ -337,8 +337,10 @@ def _data_problems(p: Params) -> list[str]:
     if p.data.source == "synthetic" and p.data.ok_class not in counts:
         problems.append(f"data.ok_class: {p.data.ok_class!r} is not a class of data.synthetic.counts")
     if p.data.source == "synthetic" and (set(counts) - set(SYNTHETIC_CLASSES) or min(counts.values(), default=0) < 0):
-        problems.append(f"data.synthetic.counts: the generator's classes are {', '.join(SYNTHETIC_CLASSES)}, each "
-                        f"with a count >= 0; got {counts}")  # fmt: skip
+        problems.append(
+            f"data.synthetic.counts: the generator's classes are {', '.join(SYNTHETIC_CLASSES)}, each "
+            f"with a count >= 0; got {counts}"
+        )
     if p.augment.policy:
         problems += _policy_problems(p.augment.policy, "augment.policy")
     return problems
@@ -364,8 +366,9 @@ def _policy_problems(specs: Any, key: str) -> list[str]:
         accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "args", "kwargs"}
         unknown = sorted(set(spec) - accepted - {"name"})
         if unknown:
-            problems.append(f"{where}: {spec['name']} has no argument {unknown[0]!r} (it takes: "
-                            f"{', '.join(sorted(accepted))})")  # fmt: skip
+            problems.append(
+                f"{where}: {spec['name']} has no argument {unknown[0]!r} (it takes: {', '.join(sorted(accepted))})"
+            )
         if "transforms" in spec:
             problems += _policy_problems(spec["transforms"], f"{where}.transforms")
     return problems
@@ -425,14 +428,18 @@ def _tiles_problems(p: Params) -> list[str]:
     if not 0 < tl.weight <= 1:
         problems.append(f"tiles.weight: a share in (0, 1], got {tl.weight}")
     if not tl.keep_members or any(not 0 <= k < t.ensemble for k in tl.keep_members):
-        problems.append(f"tiles.keep_members: indices of train.ensemble's members (0..{t.ensemble - 1}), at least "
-                        f"one; got {tl.keep_members}")  # fmt: skip
+        problems.append(
+            f"tiles.keep_members: indices of train.ensemble's members (0..{t.ensemble - 1}), at least "
+            f"one; got {tl.keep_members}"
+        )
     if tl.min_mask_pixels < 1:
         problems.append(f"tiles.min_mask_pixels: at least 1, got {tl.min_mask_pixels}")
     for key in tl.recipe:
         if not key.startswith(("train.", "model.")) or key in MEMBER_FIXED:
-            problems.append(f"tiles.recipe: {key}: the tile model may change model.* and train.* keys other than "
-                            f"{', '.join(MEMBER_FIXED)}")  # fmt: skip
+            problems.append(
+                f"tiles.recipe: {key}: the tile model may change model.* and train.* keys other than "
+                f"{', '.join(MEMBER_FIXED)}"
+            )
     return problems
 
 
@@ -497,8 +504,14 @@ def tile_params(p: Params) -> Params:
     champion's weights are another network's), checked like params.yaml (a bad value names ``tiles.recipe``)."""
     raw = dataclasses.asdict(p)
     raw.pop("source_file")
-    changes = {"train.init_from": "none", **p.tiles.recipe, "train.ensemble": 1, "train.ensemble_members": [],
-               "train.mask_loss": 0.0, "tiles.keep_members": [0]}  # fmt: skip
+    changes = {
+        "train.init_from": "none",
+        **p.tiles.recipe,
+        "train.ensemble": 1,
+        "train.ensemble_members": [],
+        "train.mask_loss": 0.0,
+        "tiles.keep_members": [0],
+    }
     where = f"{p.source_file}: tiles.recipe"
     return params_from_dict(apply_changes(raw, changes, where), source_file=where, derived=False)
 

@@ -126,8 +126,12 @@ def cut_on_partitions(
         oracle.append((defects > oks[int(max_rate * len(oks))]).mean())
     if not recall:
         return {"partitions": 0}
-    return {"recall": float(np.mean(recall)), "within": float(np.mean(within)), "oracle": float(np.mean(oracle)),
-            "partitions": len(recall)}  # fmt: skip
+    return {
+        "recall": float(np.mean(recall)),
+        "within": float(np.mean(within)),
+        "oracle": float(np.mean(oracle)),
+        "partitions": len(recall),
+    }
 
 
 def classification_metrics(probs: np.ndarray, labels: np.ndarray, classes: list[str]) -> tuple[dict, np.ndarray]:

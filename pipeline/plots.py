@@ -58,8 +58,15 @@ def members_curves_plot(
         for m, history in enumerate(histories):
             label = k if len(histories) == 1 else f"{k}, member {m}"
             epochs = [row["epoch"] for row in history]
-            ax.plot(epochs, [row[k] for row in history], styles[m % len(styles)], color=colour, marker="o",
-                    markersize=3 if len(histories) > 1 else None, label=label)  # fmt: skip
+            ax.plot(
+                epochs,
+                [row[k] for row in history],
+                styles[m % len(styles)],
+                color=colour,
+                marker="o",
+                markersize=3 if len(histories) > 1 else None,
+                label=label,
+            )
         if final and k in final:
             ax.axhline(final[k], color=colour, linewidth=2.5, alpha=0.5, label=f"{k}, ensemble")
     ax.set_xlabel("epoch")

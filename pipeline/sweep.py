@@ -214,8 +214,7 @@ def stage_env() -> dict[str, str]:
 
 def dvc(*args: str, stream: bool = False) -> str:
     """Run ``dvc ARGS`` (this venv's); its stdout, or a stop naming the command and DVC's message."""
-    proc = subprocess.run([sys.executable, "-m", "dvc", *args], env=stage_env(), text=True,
-                          capture_output=not stream)  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "dvc", *args], env=stage_env(), text=True, capture_output=not stream)
     if proc.returncode:
         raise SystemExit(f"defect sweep: `dvc {' '.join(args)}` failed (exit {proc.returncode}): {proc.stderr or ''}")
     return proc.stdout or ""
@@ -257,8 +256,9 @@ def params_changed(before: dict, now: dict) -> str:
     missing = "(absent)"
     return ", ".join(
         f"{key}: {json.dumps(before.get(key, missing))} -> {json.dumps(now.get(key, missing))}"
-        for key in sorted(before.keys() | now.keys()) if before.get(key, missing) != now.get(key, missing)
-    )  # fmt: skip
+        for key in sorted(before.keys() | now.keys())
+        if before.get(key, missing) != now.get(key, missing)
+    )
 
 
 def triage(name: str, planned: dict, entries: list[Experiment]) -> str:
@@ -275,8 +275,10 @@ def triage(name: str, planned: dict, entries: list[Experiment]) -> str:
             print(f"    {name} finished with other params ({changed[e.rev]}), so it runs again", flush=True)
             dvc("exp", "remove", e.name)
         else:
-            raise SystemExit(f"defect sweep: {name} is {e.state} with other params ({changed[e.rev]}): "
-                             f"`dvc queue kill {name}` or `dvc queue remove {name}` first")  # fmt: skip
+            raise SystemExit(
+                f"defect sweep: {name} is {e.state} with other params ({changed[e.rev]}): "
+                f"`dvc queue kill {name}` or `dvc queue remove {name}` first"
+            )
     return "queue"
 
 
@@ -295,8 +297,12 @@ def queue(sweep: Sweep, runs: list[tuple[str, int, dict]], now: dict, until: str
         said = {"kept": "done before, kept", "pending": "queued before", "queue": "queued"}[what]
         print(f"[{i}/{len(runs)}] {lever}, seed {seed}: {said} (experiment {name})", flush=True)
     found = show()  # what the stages will read is what was planned (the -S values went through Hydra and DVC)
-    wrong = {e.rev: f"{name}: {changed}" for name, p in queued.items() for e in found[name]
-             if e.state == "queued" and (changed := params_changed(held_params(e.rev), p))}  # fmt: skip
+    wrong = {
+        e.rev: f"{name}: {changed}"
+        for name, p in queued.items()
+        for e in found[name]
+        if e.state == "queued" and (changed := params_changed(held_params(e.rev), p))
+    }
     if wrong:
         dvc("queue", "remove", *wrong)
         raise SystemExit(
@@ -446,8 +452,14 @@ def log_to_mlflow(sweep: Sweep, params: dict, table: list[dict], rows: list[dict
             for r in rows:
                 if r.get("mlflow_run_id"):
                     child = tracking.Run(run.client, r["mlflow_run_id"], run.buffer)
-                    child.set_tags({"mlflow.parentRunId": run.run_id, "sweep.lever": r["lever"],
-                                    "sweep.seed": r["seed"], "sweep.experiment": r["experiment"]})  # fmt: skip
+                    child.set_tags(
+                        {
+                            "mlflow.parentRunId": run.run_id,
+                            "sweep.lever": r["lever"],
+                            "sweep.seed": r["seed"],
+                            "sweep.experiment": r["experiment"],
+                        }
+                    )
             return run.run_id
     except tracking.TrackingUnavailable as exc:
         print(f"sweep: not logged to MLflow ({exc}); the table is in {out}", flush=True)

@@ -15,8 +15,9 @@ OUT, IMAGES, MASKS = Path("data/prepared"), Path("data/raw/images"), Path("data/
 def main(params):
     manifest = read_manifest(Path("data/validated/manifest.csv"))
     classes = sorted({r["label"] for r in manifest})
-    summary = prepare(manifest, IMAGES, classes, params.data.ok_class, params.data.channels, params.prepare, OUT,
-                      masks_dir=MASKS)  # fmt: skip
+    summary = prepare(
+        manifest, IMAGES, classes, params.data.ok_class, params.data.channels, params.prepare, OUT, masks_dir=MASKS
+    )
     # None: the whole images alone (tiles.use off, no masks, or no tile covered by one)
     summary["tiles"] = tile_data(params.tiles.use, OUT, IMAGES, MASKS, params.tiles.min_mask_pixels)
     (OUT / "prepare.json").write_text(json.dumps(summary, indent=2) + "\n")

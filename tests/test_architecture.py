@@ -247,4 +247,3 @@ def test_the_lock_satisfies_the_declared_ranges():
         name = re.sub(r"[-_.]+", "-", req.name).lower()
         assert name in lock, f"{req.name} is declared in pyproject.toml but not pinned in requirements.txt"
         assert req.specifier.contains(lock[name].split("+")[0]), f"{req.name}=={lock[name]} is outside {req.specifier}"
-

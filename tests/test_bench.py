@@ -14,10 +14,25 @@ def test_bench_measures_runner_torch_http_and_loaders_side_by_side(exported_proj
     work = tmp_path / "project"
     shutil.copytree(exported_project, work, ignore=shutil.ignore_patterns("mlflow.db", "checkpoints"))
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks/bench.py"), "--project", str(work), "--quick", "--no-compile",
-         "--only", "inference", "sizes", "serving", "data"],
-        cwd=ROOT, env=venv_env(), capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "benchmarks/bench.py"),
+            "--project",
+            str(work),
+            "--quick",
+            "--no-compile",
+            "--only",
+            "inference",
+            "sizes",
+            "serving",
+            "data",
+        ],
+        cwd=ROOT,
+        env=venv_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = work / "reports/bench"
     inference = json.loads((out / "inference.json").read_text())

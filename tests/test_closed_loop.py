@@ -62,9 +62,17 @@ def test_the_loop_from_line_images_back_to_a_served_champion(project, tmp_path):
     review = tmp_path / "review"
     server = Server(
         f"models:/{name}@champion",
-        "--tracking-uri", uri, "--review-dir", str(review), "--review-margin", "0.3", "--review-min-confidence", "0.9",
-        token=None, env={"DEFECT_RUNNER_CACHE": str(tmp_path / "cache")},
-    )  # fmt: skip
+        "--tracking-uri",
+        uri,
+        "--review-dir",
+        str(review),
+        "--review-margin",
+        "0.3",
+        "--review-min-confidence",
+        "0.9",
+        token=None,
+        env={"DEFECT_RUNNER_CACHE": str(tmp_path / "cache")},
+    )
     try:
         line = tmp_path / "line"
         records = generate(line, tmp_path / "line_masks", {"ok": 12, "scratch": 6, "spot": 6, "crack": 6}, 64, 3, 99)
@@ -93,9 +101,12 @@ def test_the_loop_from_line_images_back_to_a_served_champion(project, tmp_path):
         d = json.loads((project / "reports/promote/decision.json").read_text())
         assert d["champion_before"]["version"] == "1" and d["challenger"]["version"] == "2"
         expected, _ = decide(
-            d["challenger"], d["champion_before"], params.promote.rules, params.promote.promote_on_tie,
+            d["challenger"],
+            d["champion_before"],
+            params.promote.rules,
+            params.promote.promote_on_tie,
             params.promote.max_false_alarm_rate,
-        )  # fmt: skip
+        )
         assert d["promoted"] is expected
         champion = str(client.get_model_version_by_alias(name, "champion").version)
         assert champion == ("2" if expected else "1")

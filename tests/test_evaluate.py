@@ -118,8 +118,10 @@ def test_review_sheet_lists_the_val_ok_images_that_set_the_cut_and_the_test_mist
     assert len(val_rows) == 8 and all(r[2] == "ok" for r in val_rows)  # the eight highest val OK images
     assert "crack/v10.png" not in {r[1] for r in rows}  # the val defect (0.9) is not an OK label to check
     # the missed defect, then the false alarm; caught defects and unflagged OK images stay out
-    assert [r for r in rows if r[0] == "test"] == [("test", "crack/t0.png", "crack", "0.200000"),
-                                                    ("test", "ok/t2.png", "ok", "0.970000")]  # fmt: skip
+    assert [r for r in rows if r[0] == "test"] == [
+        ("test", "crack/t0.png", "crack", "0.200000"),
+        ("test", "ok/t2.png", "ok", "0.970000"),
+    ]
     assert Image.open(tmp_path / "review.png").size[0] > 400
 
 

@@ -187,17 +187,28 @@ def test_train_loss_is_the_class_loss_and_the_mask_loss_is_reported_beside_it():
     net.add_mask_head()
     g = torch.Generator().manual_seed(0)
     batches = [
-        (torch.randint(0, 255, (4, 32, 32, 3), dtype=torch.uint8, generator=g), torch.tensor([0, 1, 2, 0]),
-         torch.zeros(4, 32, 32, dtype=torch.uint8))
+        (
+            torch.randint(0, 255, (4, 32, 32, 3), dtype=torch.uint8, generator=g),
+            torch.tensor([0, 1, 2, 0]),
+            torch.zeros(4, 32, 32, dtype=torch.uint8),
+        )
         for _ in range(3)
-    ]  # fmt: skip
+    ]
     opt = torch.optim.SGD(net.parameters(), lr=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     rt = resolve_runtime("cpu", "fp32")
     out = train_one_epoch(
-        net, batches, Fixed(1.0), opt, sched, rt, EMA(net, 0.0), EpochProgress(), Dist("none"),
+        net,
+        batches,
+        Fixed(1.0),
+        opt,
+        sched,
+        rt,
+        EMA(net, 0.0),
+        EpochProgress(),
+        Dist("none"),
         mask_criterion=Fixed(0.5),
-    )  # fmt: skip
+    )
     assert out["train_loss"] == pytest.approx(1.0) and out["train_mask_loss"] == pytest.approx(0.5)
 
 

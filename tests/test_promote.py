@@ -87,8 +87,9 @@ def test_first_model_becomes_champion_and_the_runner_can_pull_it(registry_projec
     assert [p.error for p in runner.predict_files(images)] == ["", "", ""]
     # Version numbers are per store: another store's version 1 (a copy of this one here) is cached apart.
     shutil.copy(registry_project / "mlflow.db", tmp_path / "other.db")
-    other = resolve(f"models:/{name}@champion", tracking_uri=f"sqlite:///{tmp_path / 'other.db'}",
-                    cache=tmp_path / "cache")  # fmt: skip
+    other = resolve(
+        f"models:/{name}@champion", tracking_uri=f"sqlite:///{tmp_path / 'other.db'}", cache=tmp_path / "cache"
+    )
     here, there = (f.model_path.relative_to(tmp_path / "cache").parts for f in (files, other))
     assert other.version == "1" and here[0] != there[0] and here[1:] == there[1:]  # store / name / version / ...
 

@@ -61,8 +61,12 @@ def experiments(project: Path) -> dict[str, dict]:
 def sweep(project: Path, levers: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "pipeline.cli", "sweep", levers],
-        cwd=project, env=venv_env(), capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        cwd=project,
+        env=venv_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +89,10 @@ def test_each_lever_and_seed_is_a_dvc_experiment_that_ran_with_its_params(swept)
     assert "dvc exp run --run-all" in proc.stdout
     exps = experiments(project)
     assert set(exps) == {"tiny-default-s3", "tiny-two-epochs-gamma-only-s3"}
-    for name, epochs, policy in (("tiny-default-s3", 1, load_default_params()["augment"]["policy"]),
-                                 ("tiny-two-epochs-gamma-only-s3", 2, GAMMA_ONLY)):  # fmt: skip
+    for name, epochs, policy in (
+        ("tiny-default-s3", 1, load_default_params()["augment"]["policy"]),
+        ("tiny-two-epochs-gamma-only-s3", 2, GAMMA_ONLY),
+    ):
         e = exps[name]
         assert e["state"] == "success"
         assert e["params"]["train"]["seed"] == 3 and e["params"]["train"]["epochs"] == epochs
@@ -133,8 +139,9 @@ def test_the_sweep_is_an_mlflow_run_with_the_experiments_trainings_nested_under_
     assert "two-epochs-gamma-only.recall_vs_reference" in parent.data.metrics
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
     assert sorted(r.data.tags["sweep.experiment"] for r in children) == [
-        "tiny-default-s3", "tiny-two-epochs-gamma-only-s3"
-    ]  # fmt: skip
+        "tiny-default-s3",
+        "tiny-two-epochs-gamma-only-s3",
+    ]
     assert sorted(r.data.params["train.epochs"] for r in children) == ["1", "2"]  # the training runs themselves
 
 
@@ -154,8 +161,14 @@ def test_the_table_pairs_by_seed_over_the_seeds_both_finished(tmp_path):
     def row(lever, seed, recall, rc=0):
         return {"lever": lever, "seed": seed, "rc": rc, "recall_at_far": recall, "far": 0.01, "auc": 0.9}
 
-    rows = [row("default", 0, 0.5), row("default", 1, 0.9), row("default", 2, 0.6),
-            row("lever", 0, 0.7), row("lever", 1, None, rc=1), row("lever", 2, 0.7)]  # fmt: skip
+    rows = [
+        row("default", 0, 0.5),
+        row("default", 1, 0.9),
+        row("default", 2, 0.6),
+        row("lever", 0, 0.7),
+        row("lever", 1, None, rc=1),
+        row("lever", 2, 0.7),
+    ]
     table = summarize(sw, rows, 0.03)
     lever = table[1]
     assert lever["recall_vs_reference"] == pytest.approx(((0.7 - 0.5) + (0.7 - 0.6)) / 2)  # seed 1 failed
@@ -185,12 +198,17 @@ def test_queued_experiments_hold_exactly_the_planned_params(scratch):
     """Lists of mappings, mappings whose keys hold dots, quotes and spaces in a path: each goes through
     `dvc exp run --queue -S` (Hydra's grammar) and the queued params.yaml reads back as planned."""
     now = yaml.safe_load((scratch / "params.yaml").read_text())
-    sw = Sweep("odd", {"data.source": "it's a folder/with space"}, [0], {
-        "default": {},
-        "gamma only": {"augment.policy": GAMMA_ONLY, "tiles.use": False},
-        "members": {"train.ensemble_members": [{"train.epochs": 40}, {}, {"augment.policy": GAMMA_ONLY}]},
-        "short tiles": {"tiles.recipe": {"train.epochs": 3}},
-    })  # fmt: skip
+    sw = Sweep(
+        "odd",
+        {"data.source": "it's a folder/with space"},
+        [0],
+        {
+            "default": {},
+            "gamma only": {"augment.policy": GAMMA_ONLY, "tiles.use": False},
+            "members": {"train.ensemble_members": [{"train.epochs": 40}, {}, {"augment.policy": GAMMA_ONLY}]},
+            "short tiles": {"tiles.recipe": {"train.epochs": 3}},
+        },
+    )
     runs = plan(sw, now)
     assert queue(sw, runs, now, until="") == {"kept": 0, "pending": 0, "queue": 4}
     found = show()

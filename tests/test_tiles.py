@@ -74,8 +74,10 @@ def test_prepare_cuts_1to1_tiles_labeled_by_the_masks(tiled):
     with np.load(tiled / "data/prepared/tiles/train.npz") as z:
         images, labels, paths = z["images"], z["labels"], [str(p) for p in z["paths"]]
     assert images.shape[1:] == (32, 32, 3) and (labels >= 0).all()  # the left-out tiles are not trained on
-    assert ((labels != ok).sum(), (labels == ok).sum()) == (info["tiles"]["train_tiles"]["defect"],
-                                                           info["tiles"]["train_tiles"]["ok"])  # fmt: skip
+    assert ((labels != ok).sum(), (labels == ok).sum()) == (
+        info["tiles"]["train_tiles"]["defect"],
+        info["tiles"]["train_tiles"]["ok"],
+    )
     # Each tile is its photograph's pixels at 1:1, labeled by the photograph's mask.
     by_photo: dict[str, dict] = {}
     for img, lab, p in zip(images, labels, paths, strict=True):
@@ -164,8 +166,10 @@ def test_export_writes_a_tile_graph_per_variant_and_the_runner_scores_photograph
         c = ModelCard.read(tiled / f"models/export/model.{v}.card.json")
         assert c.tiles.model == f"model.{v}.tiles.onnx" and (tiled / "models/export" / c.tiles.model).is_file()
     parity = json.loads((tiled / "reports/export/parity.json").read_text())
-    assert parity["fp32"]["prob_max_abs_diff"] <= yaml.safe_load((tiled / "params.yaml").read_text())["export"][
-        "max_abs_diff"]  # fmt: skip
+    assert (
+        parity["fp32"]["prob_max_abs_diff"]
+        <= yaml.safe_load((tiled / "params.yaml").read_text())["export"]["max_abs_diff"]
+    )
     # One test photograph through the runner: the whole graph on its letterbox, the tile graph on its 4 tiles.
     net, meta = load_model(tiled / "models/train/model.pt")
     tnet, _ = load_tile_model(tiled / "models/train/model.pt")

@@ -52,7 +52,9 @@ def test_weights_load_and_a_new_class_head_starts_fresh(tmp_path):
 def test_the_warm_start_is_part_of_the_fingerprint(tmp_path, prepared_project):
     params = params_from_dict(tiny_params())
     prepared = prepared_project / "data/prepared"
-    assert training_fingerprint(params, prepared, "") != training_fingerprint(params, prepared, "models:/m@champion (version 1)")
+    assert training_fingerprint(params, prepared, "") != training_fingerprint(
+        params, prepared, "models:/m@champion (version 1)"
+    )
     assert training_fingerprint(params, prepared, "x") == training_fingerprint(params, prepared, "x")
 
 

@@ -30,7 +30,7 @@ KEYS = ("images", "labels", "paths", "groups")
 
 
 def tile_labels(mask: np.ndarray | None, label: int, ok_index: int, positions: list[tuple[int, int]], tile: int,
-                min_pixels: int) -> list[int | None]:  # fmt: skip
+                min_pixels: int) -> list[int | None]:
     """The training label of each tile at ``positions``: ``label`` where ``mask`` (H, W bool) covers at least
     ``min_pixels`` of it, ``ok_index`` where it covers none, None (left out) in between; an OK image's tiles
     are all OK, a defect image without a mask has every tile left out."""
@@ -43,7 +43,7 @@ def tile_labels(mask: np.ndarray | None, label: int, ok_index: int, positions: l
 
 
 def tile_split(split: dict, images_dir: Path, masks_dir: Path | None, tile: int, channels: int, ok_index: int,
-               min_pixels: int, transform=None, desc: str = "tiles") -> dict[str, np.ndarray]:  # fmt: skip
+               min_pixels: int, transform=None, desc: str = "tiles") -> dict[str, np.ndarray]:
     """Every tile of a split's photographs (``split``: paths, labels, groups): images, labels (the mask's; -1
     left out), parent (the photograph's index), paths (``<path>#x,y``) and groups (the photograph's).
     ``transform(image, mask) -> (image, mask)`` is applied before cutting (an experiment's rescale)."""
@@ -55,7 +55,7 @@ def tile_split(split: dict, images_dir: Path, masks_dir: Path | None, tile: int,
         mask = read_mask(masks_dir, rel) if masks_dir is not None and label != ok_index else None
         if mask is not None and mask.shape != image.shape[:2]:
             raise ValueError(f"{mask_path(masks_dir, rel)}: mask is {mask.shape[1]}x{mask.shape[0]} px, its image "
-                             f"{image.shape[1]}x{image.shape[0]}; expected the same size")  # fmt: skip
+                             f"{image.shape[1]}x{image.shape[0]}; expected the same size")
         if transform is not None:
             image, mask = transform(image, mask)
         pieces = cut_tiles(image, tile)
@@ -68,7 +68,7 @@ def tile_split(split: dict, images_dir: Path, masks_dir: Path | None, tile: int,
             out["groups"].append(group)
     if not out["images"]:
         return {k: np.zeros((0, tile, tile, channels), np.uint8) if k == "images" else np.array(v)
-                for k, v in out.items()}  # fmt: skip
+                for k, v in out.items()}
     return {k: np.array(v) for k, v in out.items()}
 
 
@@ -106,10 +106,10 @@ def prepare_tiles(prepared_dir: Path, images_dir: Path, masks_dir: Path, min_pix
         with np.load(prepared_dir / f"{name}.npz") as z:
             split = {k: z[k] for k in ("paths", "labels", "groups")}
         tiles[name] = tile_split(split, images_dir, masks_dir, tile, info["channels"], ok_index, min_pixels,
-                                 desc=f"tiles {name}")  # fmt: skip
+                                 desc=f"tiles {name}")
     tr = tiles["train"]["labels"]
     counts = {"defect": int(((tr >= 0) & (tr != ok_index)).sum()), "ok": int((tr == ok_index).sum()),
-              "left_out": int((tr < 0).sum())}  # fmt: skip
+              "left_out": int((tr < 0).sum())}
     if not counts["defect"]:
         log.warning("%s: no training tile is covered by a defect mask (>= %d px): no tile model", masks_dir, min_pixels)
         return None

@@ -81,10 +81,12 @@ def evaluate(
         "test_images": int(len(y_test)),
     }
     n_val, n_test = len(y_val), len(y_test)
-    groups = np.concatenate([  # without groups every image is its own part
-        val_groups if val_groups is not None else np.array([f"val{i}" for i in range(n_val)]),
-        test_groups if test_groups is not None else np.array([f"test{i}" for i in range(n_test)]),
-    ])  # fmt: skip
+    groups = np.concatenate(
+        [  # without groups every image is its own part
+            val_groups if val_groups is not None else np.array([f"val{i}" for i in range(n_val)]),
+            test_groups if test_groups is not None else np.array([f"test{i}" for i in range(n_test)]),
+        ]
+    )
     pooled = np.concatenate([val_scores, test_scores])
     pooled_defect = np.concatenate([val_defect, y_test != ok])
     partitions = redrawn_partitions(groups, n_val / (n_val + n_test), REDRAWN_SPLITS)
@@ -99,8 +101,9 @@ def evaluate(
     (out_dir / "per_class.json").write_text(json.dumps(cls["per_class"], indent=2) + "\n")
     confusion_matrix_plot(cm, classes, f"test set, accuracy {cls['accuracy']:.3f}", out_dir / "confusion_matrix.png")
     _score_histogram(test_scores, y_test != ok, threshold, out_dir / "score_histogram.png")
-    _roc_plot(test_scores, y_test != ok, {"val recall target": threshold, "val FAR limit": far_threshold},
-              out_dir / "roc.png")  # fmt: skip
+    _roc_plot(
+        test_scores, y_test != ok, {"val recall target": threshold, "val FAR limit": far_threshold}, out_dir / "roc.png"
+    )
     _pr_plot(test_scores, y_test != ok, threshold, out_dir / "precision_recall.png")
     with open(out_dir / "test_scores.csv", "w") as f:  # dvc plots: one row per test image
         f.write("label,is_defect,defect_score\n")
@@ -122,8 +125,16 @@ def highest_shot_per_part(keep: np.ndarray, scores: np.ndarray, groups: np.ndarr
     return keep
 
 
-def review_sheet(val: Split, test: Split, classes: list[str], ok_class: str, far_threshold: float,
-                 out_dir: Path, val_groups: np.ndarray | None = None, per_row: int = 8) -> dict:  # fmt: skip
+def review_sheet(
+    val: Split,
+    test: Split,
+    classes: list[str],
+    ok_class: str,
+    far_threshold: float,
+    out_dir: Path,
+    val_groups: np.ndarray | None = None,
+    per_row: int = 8,
+) -> dict:
     """The images a person should look at first: review.csv and review.png.
 
     Three rows: the val OK parts that score highest (on a small val split a few of them set the
@@ -145,10 +156,13 @@ def review_sheet(val: Split, test: Split, classes: list[str], ok_class: str, far
 
     rows = {
         "val OK parts, highest scores (check their labels: they set the false-alarm cut)": (
-            "val", val, first(val_ok, val[3], highest=True)),
+            "val",
+            val,
+            first(val_ok, val[3], highest=True),
+        ),
         "test defects missed at the false-alarm threshold": ("test", test, first(missed, test[3], highest=False)),
         "test OK images flagged at the false-alarm threshold": ("test", test, first(flagged, test[3], highest=True)),
-    }  # fmt: skip
+    }
     with open(out_dir / "review.csv", "w", newline="") as f:
         out = csv.writer(f)
         out.writerow(["row", "split", "path", "label", "defect_score"])

@@ -185,13 +185,21 @@ def heatmap_report(
     return metrics
 
 
-def tile_cams(tile_net: nn.Module, photos: Callable[[int], np.ndarray], labels: np.ndarray, tile: int, ok_index: int,
-              size: int, resize: str) -> Callable[[list[int]], np.ndarray]:  # fmt: skip
+def tile_cams(
+    tile_net: nn.Module,
+    photos: Callable[[int], np.ndarray],
+    labels: np.ndarray,
+    tile: int,
+    ok_index: int,
+    size: int,
+    resize: str,
+) -> Callable[[list[int]], np.ndarray]:
     """A model with tiles decides where the defect is by its most suspicious tile, so its heatmap is the tile
     model's Grad-CAM (the true class) over that tile, placed where the tile sits in the photograph (zero
     elsewhere) and brought to the input's geometry like the image (``resize_image``, padding zero).
     ``photos(i)``: image i at full resolution. On the synthetic data (one tile per image) it points at the
     defect far more often than the whole-image model's (README, *Heatmaps*)."""
+
     def cams(idx: list[int]) -> np.ndarray:
         out = []
         for i in idx:

@@ -79,20 +79,42 @@ def evaluate_model(cfg: EvaluateConfig, device: str, src: Inputs, out: Path) -> 
     return metrics
 
 
-def judge(cfg: EvaluateConfig, meta: dict, val_probs: np.ndarray, test_probs: np.ndarray, val: Split, test: Split,
-          out: Path) -> dict:  # fmt: skip
+def judge(
+    cfg: EvaluateConfig, meta: dict, val_probs: np.ndarray, test_probs: np.ndarray, val: Split, test: Split, out: Path
+) -> dict:
     """``evaluate`` on these probabilities with the stage's settings."""
-    return evaluate(val_probs, val.y, test_probs, test.y, meta["classes"], meta["ok_class"],
-                    cfg.target_defect_recall, out, cfg.max_false_alarm_rate, val.groups, test.groups)  # fmt: skip
+    return evaluate(
+        val_probs,
+        val.y,
+        test_probs,
+        test.y,
+        meta["classes"],
+        meta["ok_class"],
+        cfg.target_defect_recall,
+        out,
+        cfg.max_false_alarm_rate,
+        val.groups,
+        test.groups,
+    )
 
 
-def fused_views(cfg: EvaluateConfig, meta: dict, tiles: tuple, whole: tuple[np.ndarray, np.ndarray], val: Split,
-                test: Split, src: Inputs, rt: Runtime, out: Path) -> tuple[np.ndarray, np.ndarray, dict]:  # fmt: skip
+def fused_views(
+    cfg: EvaluateConfig,
+    meta: dict,
+    tiles: tuple,
+    whole: tuple[np.ndarray, np.ndarray],
+    val: Split,
+    test: Split,
+    src: Inputs,
+    rt: Runtime,
+    out: Path,
+) -> tuple[np.ndarray, np.ndarray, dict]:
     """The fused val and test probabilities, and each view's own figures (written to ``out/views/<view>``)."""
     tnet, tmeta = tiles
     ok = meta["classes"].index(meta["ok_class"])
-    tile_probs = tuple(tile_view(tnet.to(rt.device), s.paths, src.images, tmeta["tile"], meta["channels"], ok, rt)
-                       for s in (val, test))  # fmt: skip
+    tile_probs = tuple(
+        tile_view(tnet.to(rt.device), s.paths, src.images, tmeta["tile"], meta["channels"], ok, rt) for s in (val, test)
+    )
     views = {}
     for name, (pv, pt) in {"whole": whole, "tiles": tile_probs}.items():
         m = judge(cfg, meta, pv, pt, val, test, out / "views" / name)
@@ -101,12 +123,29 @@ def fused_views(cfg: EvaluateConfig, meta: dict, tiles: tuple, whole: tuple[np.n
     return fuse(whole[0], tile_probs[0], w), fuse(whole[1], tile_probs[1], w), views
 
 
-def heatmaps(cfg: EvaluateConfig, net, meta: dict, tiles: tuple | None, test: Split, test_probs: np.ndarray,
-             src: Inputs, out: Path) -> dict:  # fmt: skip
+def heatmaps(
+    cfg: EvaluateConfig,
+    net,
+    meta: dict,
+    tiles: tuple | None,
+    test: Split,
+    test_probs: np.ndarray,
+    src: Inputs,
+    out: Path,
+) -> dict:
     """Grad-CAM heatmaps and the pointing game. A model with tiles: the tile model's heatmap over each
     photograph's most suspicious tile, the whole model's beside it (``views/whole``)."""
-    common = (test.x, test.y, test_probs, test.paths, meta["classes"], meta["ok_class"], src.masks, meta["resize"],
-              cfg.heatmaps_per_class)  # fmt: skip
+    common = (
+        test.x,
+        test.y,
+        test_probs,
+        test.paths,
+        meta["classes"],
+        meta["ok_class"],
+        src.masks,
+        meta["resize"],
+        cfg.heatmaps_per_class,
+    )
     if not tiles:
         return heatmap_report(net.float().cpu(), *common, out)
     tnet, tmeta = tiles

@@ -90,8 +90,10 @@ def compare(fns: dict[str, Callable], x: np.ndarray, batch_sizes: list[int], rep
         for k in res:
             res[k]["vs_eager"] = res[EAGER]["p50_ms"] / res[k]["p50_ms"]
         report[f"batch_{bs}"] = res
-        print(f"benchmark batch {bs}: " + ", ".join(f"{k} {r['p50_ms']:.1f} ms ({r['vs_eager']:.2f}x)"
-                                                     for k, r in res.items()))  # fmt: skip
+        print(
+            f"benchmark batch {bs}: "
+            + ", ".join(f"{k} {r['p50_ms']:.1f} ms ({r['vs_eager']:.2f}x)" for k, r in res.items())
+        )
     return report
 
 
@@ -101,9 +103,11 @@ def inputs_of(rs: dict[str, Runner], x: np.ndarray, files: list[Path]) -> tuple[
     if not card.tiles:
         return x, f"prepared test images, {x.shape[1]} px"
     x = photographs(rs["fp32"], files)
-    return x, (f"photographs with tiles: {len(x)} test photographs of {x.shape[2]}x{x.shape[1]} px (the most "
-               f"common size), the whole view and {card.tiles.size} px tiles fused, in the runner and in PyTorch "
-               "eager")  # fmt: skip
+    return x, (
+        f"photographs with tiles: {len(x)} test photographs of {x.shape[2]}x{x.shape[1]} px (the most "
+        f"common size), the whole view and {card.tiles.size} px tiles fused, in the runner and in PyTorch "
+        "eager"
+    )
 
 
 def files_end_to_end(rs: dict[str, Runner], files: list[Path], rounds: int, batch: int) -> dict:
@@ -131,8 +135,9 @@ def run_benchmark(cfg: BenchmarkConfig, src: Inputs, out: Path) -> dict:
     report["end_to_end"] = files_end_to_end(rs, files, cfg.rounds, max(cfg.batch_sizes))
     recommended = rs["fp32"].card.recommended.get("cpu", "fp32")
     http_model = variant_files(src.export).get(recommended, src.export / "model.onnx")
-    report["http"] = http_vs_in_process(http_model, x[:64], files[:64], cfg.http_concurrency, cfg.http_seconds,
-                                        cfg.rounds)  # fmt: skip
+    report["http"] = http_vs_in_process(
+        http_model, x[:64], files[:64], cfg.http_concurrency, cfg.http_seconds, cfg.rounds
+    )
     out.mkdir(parents=True, exist_ok=True)
     benchmark_plot(report, out / "benchmark.png")
     return report
@@ -144,8 +149,11 @@ def flat_metrics(report: dict, batch_sizes: list[int]) -> dict[str, float]:
     for bs in batch_sizes:
         for c, r in report[f"batch_{bs}"].items():
             name = c.replace(" ", "_").replace(".", "_")
-            flat |= {f"bench_b{bs}_{name}_p50_ms": r["p50_ms"], f"bench_b{bs}_{name}_img_s": r["img_s"],
-                     f"bench_b{bs}_{name}_vs_eager": r["vs_eager"]}  # fmt: skip
+            flat |= {
+                f"bench_b{bs}_{name}_p50_ms": r["p50_ms"],
+                f"bench_b{bs}_{name}_img_s": r["img_s"],
+                f"bench_b{bs}_{name}_vs_eager": r["vs_eager"],
+            }
     flat |= {f"bench_e2e_{v}_{k}": x for v, r in report["end_to_end"].items() for k, x in r.items()}
     flat |= {f"bench_http_{k}": x for k, x in report["http"].items() if isinstance(x, int | float)}
     return flat
@@ -154,6 +162,8 @@ def flat_metrics(report: dict, batch_sizes: list[int]) -> dict[str, float]:
 def summary_line(report: dict) -> str:
     h, b1 = report["http"], report[f"batch_{min(int(k.split('_')[1]) for k in report if k.startswith('batch_'))}"]
     best = max((k for k in b1 if k.startswith("runner")), key=lambda k: b1[k]["vs_eager"])
-    return (f"benchmark: {best} {b1[best]['p50_ms']:.1f} ms ({b1[best]['vs_eager']:.2f}x eager); HTTP "
-            f"({h['variant']}, {h['concurrency']} clients) {h['infer_img_s']:.0f} img/s vs "
-            f"{h['in_process_img_s']:.0f} in process ({h['infer_vs_in_process']:.2f})")  # fmt: skip
+    return (
+        f"benchmark: {best} {b1[best]['p50_ms']:.1f} ms ({b1[best]['vs_eager']:.2f}x eager); HTTP "
+        f"({h['variant']}, {h['concurrency']} clients) {h['infer_img_s']:.0f} img/s vs "
+        f"{h['in_process_img_s']:.0f} in process ({h['infer_vs_in_process']:.2f})"
+    )

@@ -120,8 +120,9 @@ def base_card(name: str, meta: dict, tiles: tuple | None, src: Inputs) -> ModelC
     return dataclasses.replace(card, tiles=TileSpec("", "", tmeta["tile"], tmeta["weight"], tmeta["architecture"]))
 
 
-def write_variants(cfg: ExportConfig, net, card: ModelCard, size: int, channels: int, files: dict[str, Path],
-                   data: Path) -> None:  # fmt: skip
+def write_variants(
+    cfg: ExportConfig, net, card: ModelCard, size: int, channels: int, files: dict[str, Path], data: Path
+) -> None:
     """One network as fp32 ONNX, then fp16 and int8 (calibrated on ``data``'s training split) where asked."""
     export_onnx(net, card.ok_index, size, channels, cfg.opset, files["fp32"], card)
     if "fp16" in files:
@@ -131,8 +132,16 @@ def write_variants(cfg: ExportConfig, net, card: ModelCard, size: int, channels:
         make_int8(files["fp32"], files["int8"], calibration_images(x_train, cfg.int8.calibration_images, 0), cfg)
 
 
-def parity(cfg: ExportConfig, net, tiles: tuple | None, meta: dict, card: ModelCard, paths: dict[str, Path],
-           tile_paths: dict[str, Path] | None, src: Inputs) -> tuple[dict, int]:  # fmt: skip
+def parity(
+    cfg: ExportConfig,
+    net,
+    tiles: tuple | None,
+    meta: dict,
+    card: ModelCard,
+    paths: dict[str, Path],
+    tile_paths: dict[str, Path] | None,
+    src: Inputs,
+) -> tuple[dict, int]:
     """Every variant, through the edge runner itself, against PyTorch on all test images: with tiles, the
     photographs at full resolution, one at a time (many sizes), both views as the runner scores them."""
     x_test, y_test, test_paths = load_split(src.prepared, "test")
@@ -164,8 +173,7 @@ def write_reports(e: Export, out: Path) -> dict:
     """variants.json, parity.json (DVC metrics, returned), variants.md and variants.png in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     report = e.report
-    (out / "variants.json").write_text(json.dumps({"recommended": e.recommended, "variants": report}, indent=2)
-                                       + "\n")  # fmt: skip
+    (out / "variants.json").write_text(json.dumps({"recommended": e.recommended, "variants": report}, indent=2) + "\n")
     metrics = {v: {k: float(r[k]) for k in NUMERIC} | {"deployable": int(not e.reasons[v])} for v, r in report.items()}
     (out / "parity.json").write_text(json.dumps(metrics, indent=2) + "\n")
     (out / "variants.md").write_text(markdown_table(report, e.recommended, e.card.classes))
@@ -200,6 +208,8 @@ def summary_lines(e: Export) -> list[str]:
     lines = []
     for v, r in e.report.items():
         state = "deployable" if r["deployable"] else f"NOT deployable: {r['not_deployable_reason']}"
-        lines.append(f"export {v}: accuracy {r['accuracy']:.3f}, defect recall {r['defect_recall']:.3f}, "
-                     f"{r['decision_flips']} flips, {r['latency']['batch_1_p50_ms']:.1f} ms, {state}")  # fmt: skip
+        lines.append(
+            f"export {v}: accuracy {r['accuracy']:.3f}, defect recall {r['defect_recall']:.3f}, "
+            f"{r['decision_flips']} flips, {r['latency']['batch_1_p50_ms']:.1f} ms, {state}"
+        )
     return lines + [f"export: recommended {e.recommended}"]

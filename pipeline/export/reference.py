@@ -16,6 +16,7 @@ def torch_scorer(net, tile_net, card) -> Callable[[np.ndarray], np.ndarray]:
     """PyTorch eager scoring what the runner with ``card`` scores: (N, S, S, C) model inputs, or with tiles
     (N, H, W, C) photographs (the whole view resized and the 1:1 tiles, fused), so timings compare like
     with like. ``net``/``tile_net``: the trained networks (or their ``torch.compile``d forms)."""
+
     def score(batch: np.ndarray) -> np.ndarray:
         with torch.inference_mode():
             if not card.tiles:

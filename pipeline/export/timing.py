@@ -6,6 +6,7 @@ Machines here are shared and noisy, so every comparison is interleaved (runner, 
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -17,7 +18,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -187,6 +188,44 @@ def metric_sum(url: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " "))
 
 
+@contextlib.contextmanager
+def runner_server(model: Path, max_batch: int, server_args: tuple[str, ...] = ()) -> Iterator[str]:
+    """`defect-runner serve` for ``model`` on a free loopback port, ready; yields its URL, SIGTERM at the end."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [
+        sys.executable,
+        "-m",
+        "serving.cli",
+        "serve",
+        "--model",
+        str(model),
+        "--providers",
+        "cpu",
+        "--port",
+        str(port),
+        "--max-batch-size",
+        str(max_batch),
+        "--force",
+        *server_args,
+    ]
+    env = {**os.environ, "DEFECT_RUNNER_TOKEN": ""}
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                if urllib.request.urlopen(url + "/v2/health/ready", timeout=1).status == 200:
+                    break
+            except OSError:
+                time.sleep(0.2)
+        yield url
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(60)
+
+
 def http_vs_in_process(
     model: Path,
     x: np.ndarray,
@@ -198,28 +237,19 @@ def http_vs_in_process(
     server_args: tuple[str, ...] = (),
 ) -> dict:
     """`defect-runner serve` under closed-loop load vs the same model called in this process."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen(
-        [sys.executable, "-m", "serving.cli", "serve", "--model", str(model), "--providers", "cpu",
-         "--port", str(port), "--max-batch-size", str(max_batch), "--force", *server_args],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "DEFECT_RUNNER_TOKEN": ""},
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(300):
-            try:
-                if urllib.request.urlopen(url + "/v2/health/ready", timeout=1).status == 200:
-                    break
-            except OSError:
-                time.sleep(0.2)
+    with runner_server(model, max_batch, server_args) as url:
+        port = int(url.rsplit(":", 1)[1])
         runner = Runner(model, providers="cpu", force=True)
         name = runner.card.name
-        tensors = HttpLoad("127.0.0.1", port, f"/v2/models/{name}/infer",
-                           [binary_infer_body(runner.input_name, img) for img in x])  # fmt: skip
-        images = HttpLoad("127.0.0.1", port, f"/v2/models/{name}/classify",
-                          [(p.read_bytes(), {"Content-Type": "image/png"}) for p in pngs])  # fmt: skip
+        tensors = HttpLoad(
+            "127.0.0.1", port, f"/v2/models/{name}/infer", [binary_infer_body(runner.input_name, img) for img in x]
+        )
+        images = HttpLoad(
+            "127.0.0.1",
+            port,
+            f"/v2/models/{name}/classify",
+            [(p.read_bytes(), {"Content-Type": "image/png"}) for p in pngs],
+        )
         batch = batches(x, max_batch)
         samples: dict[str, list] = {"in_process": [], "http_infer": [], "in_process_files": [], "http_classify": []}
         mean_batch = []
@@ -233,9 +263,6 @@ def http_vs_in_process(
                 timed_for(lambda: sum(1 for _ in runner.predict_files(pngs, max_batch)), seconds)
             )
             samples["http_classify"].append(images.run(concurrency, seconds))
-    finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(60)
 
     def med(key: str, field: str = "img_s") -> float:
         return float(np.median([s[field] if isinstance(s, dict) else s for s in samples[key]]))

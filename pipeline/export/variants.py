@@ -50,6 +50,7 @@ def make_fp16(fp32_path: Path, out: Path) -> None:
 
 def make_int8(fp32_path: Path, out: Path, calibration: np.ndarray, cfg: ExportConfig) -> None:
     """QDQ static quantization calibrated on ``calibration`` (N, S, S, C) uint8 training images."""
+
     class Reader(CalibrationDataReader):
         def __init__(self) -> None:
             self.batches = iter([{"image": calibration[i : i + 16]} for i in range(0, len(calibration), 16)])
@@ -182,8 +183,14 @@ def recommend(report: dict, reasons: dict[str, str]) -> dict[str, str]:
     return {"cpu": cpu, "cuda": first("fp16", "fp32"), "tensorrt": first("int8", "fp16", "fp32")}
 
 
-def finish_cards(base: ModelCard, paths: dict[str, Path], report: dict, reasons: dict, recommended: dict,
-                 tile_paths: dict[str, Path] | None = None) -> None:  # fmt: skip
+def finish_cards(
+    base: ModelCard,
+    paths: dict[str, Path],
+    report: dict,
+    reasons: dict,
+    recommended: dict,
+    tile_paths: dict[str, Path] | None = None,
+) -> None:
     """Write each variant's card: in its ONNX metadata and as the sidecar with the file's sha256 (and its
     tile graph's, from ``tile_paths``, where the model has tiles)."""
     for v, path in paths.items():

@@ -226,8 +226,6 @@ def build_model(
     return model
 
 
-
-
 @dataclass
 class TrainData:
     """One prepared folder, loaded for training: the train split (plus the augment stage's balancing copies)
@@ -325,9 +323,20 @@ class Fit:
             self.ckpt.save(p)
 
         row = {"epoch": epoch + 1} | train_one_epoch(
-            self.model, self.data.loader, self.criterion, self.optimizer, self.scheduler, self.rt, self.ema,
-            progress, d, grad_clip=cfg.grad_clip, desc=f"epoch {epoch + 1}/{cfg.epochs}", checkpoint_due=due,
-            checkpoint=mid_epoch_checkpoint, mask_criterion=self.mask_criterion,
+            self.model,
+            self.data.loader,
+            self.criterion,
+            self.optimizer,
+            self.scheduler,
+            self.rt,
+            self.ema,
+            progress,
+            d,
+            grad_clip=cfg.grad_clip,
+            desc=f"epoch {epoch + 1}/{cfg.epochs}",
+            checkpoint_due=due,
+            checkpoint=mid_epoch_checkpoint,
+            mask_criterion=self.mask_criterion,
         )
         distributed.average_batchnorm_stats(self.model, d)
         improved, weights, score = self.validate(row)
@@ -354,8 +363,9 @@ class Fit:
         ranks take part: FSDP gathers them collectively)."""
         data, far = self.data, self.params.evaluate.max_false_alarm_rate
         with self.ema.applied(self.model):  # validate (and keep) the averaged weights when EMA is on
-            row |= evaluate_arrays(self.model, data.x_va, data.y_va, self.rt, self.d, nn.CrossEntropyLoss(),
-                                   data.ok_index, far, data.g_va)
+            row |= evaluate_arrays(
+                self.model, data.x_va, data.y_va, self.rt, self.d, nn.CrossEntropyLoss(), data.ok_index, far, data.g_va
+            )
             score = monitor_score(row, self.params.train.monitor)
             best = self.ckpt.state["best"]
             improved = best is None or score > best
@@ -364,7 +374,12 @@ class Fit:
 
 
 def fit(
-    params: Params, prepared_dir: Path, out_dir: Path, reports_dir: Path, data_reports: Path | None, rt: Runtime,
+    params: Params,
+    prepared_dir: Path,
+    out_dir: Path,
+    reports_dir: Path,
+    data_reports: Path | None,
+    rt: Runtime,
     d: Dist,
 ) -> dict | None:
     """Train one model on ``prepared_dir`` into ``out_dir`` (model.pt, run.json, checkpoints/) and
@@ -382,8 +397,9 @@ def fit(
     torch.manual_seed(derive_seed(cfg.seed, DROPOUT, d.rank))  # this rank's dropout stream from here on
 
     fingerprint = training_fingerprint(params, prepared_dir, init.identity if init else "")
-    ckpt = Checkpointer(out_dir / "checkpoints", fingerprint, model, optimizer, scheduler, ema, rt, d, cfg.keep_last,
-                        cfg.keep_best)
+    ckpt = Checkpointer(
+        out_dir / "checkpoints", fingerprint, model, optimizer, scheduler, ema, rt, d, cfg.keep_last, cfg.keep_best
+    )
     progress = ckpt.resume(cfg.on_mismatch)
     meta = model_meta(params, data.info, fingerprint, init)
     job = Fit(params, data, model, optimizer, scheduler, ema, criterion, mask_criterion, ckpt, meta, rt, d)
@@ -395,9 +411,18 @@ def fit(
     with run_ctx or contextlib.nullcontext() as run:
         if d.is_main:
             state["run_id"] = run.run_id
-        log.info("training %s on %d images (%s, %s, %d process%s) for %d epochs of %d steps; MLflow run %s",
-                 params.model.name, len(data.y_tr), rt.device, rt.precision, d.world_size,
-                 "es" if d.world_size > 1 else "", cfg.epochs, data.steps, state["run_id"])
+        log.info(
+            "training %s on %d images (%s, %s, %d process%s) for %d epochs of %d steps; MLflow run %s",
+            params.model.name,
+            len(data.y_tr),
+            rt.device,
+            rt.precision,
+            d.world_size,
+            "es" if d.world_size > 1 else "",
+            cfg.epochs,
+            data.steps,
+            state["run_id"],
+        )
         while state["epoch"] < cfg.epochs and not state["stopped_early"]:
             job.epoch(progress, run)
             progress = EpochProgress()

@@ -108,10 +108,16 @@ def train_members(
     for k in recipe.members:
         where = out_dir / "checkpoints" / f"member-{k}"
         changes = cfg.ensemble_members[k] if cfg.ensemble_members else {}
-        log.info("ensemble member %d of %d (train.seed %d%s)", k + 1, cfg.ensemble, cfg.seed + k,
-                 "".join(f", {key} changed" for key in changes))  # fmt: skip
-        members.append((where, fit(member_params(params, k), prepared_dir, where, where / "reports", data_reports,
-                                   rt, d)))  # fmt: skip
+        log.info(
+            "ensemble member %d of %d (train.seed %d%s)",
+            k + 1,
+            cfg.ensemble,
+            cfg.seed + k,
+            "".join(f", {key} changed" for key in changes),
+        )
+        members.append(
+            (where, fit(member_params(params, k), prepared_dir, where, where / "reports", data_reports, rt, d))
+        )
     tiles = None
     if recipe.tiles:
         where = out_dir / "checkpoints" / "tiles"
@@ -149,8 +155,10 @@ def pack(
     if tiles:
         ckpt = _read_member(tiles[0], "the tile model")
         tile_side = read_summary(prepared_dir / "tiles")["image_size"]
-        packed_tiles = {"model": ckpt["model"], "meta": {**ckpt["meta"], "weight": params.tiles.weight,
-                                                        "tile": tile_side}}  # fmt: skip
+        packed_tiles = {
+            "model": ckpt["model"],
+            "meta": {**ckpt["meta"], "weight": params.tiles.weight, "tile": tile_side},
+        }
     digest = hashlib.sha256("".join(m["fingerprint"] for m in metas).encode())
     if packed_tiles:
         digest.update(f"tiles {packed_tiles['meta']['fingerprint']} {params.tiles.weight}".encode())
@@ -176,8 +184,13 @@ def pack(
         summary |= tiles_summary(params, tiles, prepared_dir)
     (reports_dir / "metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
     record_run(params, ks, members, tiles, fingerprint, summary, out_dir, reports_dir, data_reports, prepared_dir)
-    log.info("ensemble of %d: val AUC %.3f, val recall at %.0f%% false alarms %.3f", len(metas), val["val_auc"],
-             100 * params.evaluate.max_false_alarm_rate, val["val_recall_at_far"])  # fmt: skip
+    log.info(
+        "ensemble of %d: val AUC %.3f, val recall at %.0f%% false alarms %.3f",
+        len(metas),
+        val["val_auc"],
+        100 * params.evaluate.max_false_alarm_rate,
+        val["val_recall_at_far"],
+    )
     return summary
 
 
@@ -192,8 +205,9 @@ def validate_packed(params: Params, model_file: Path, prepared_dir: Path, rt: Ru
     return evaluate_arrays(net, x_va, y_va, rt, Dist("none"), nn.CrossEntropyLoss(), ok_index, far, groups)
 
 
-def members_summary(metas: list[dict], members: list[tuple[Path, dict]], val: dict, reports_dir: Path,
-                    rt: Runtime) -> dict:  # fmt: skip
+def members_summary(
+    metas: list[dict], members: list[tuple[Path, dict]], val: dict, reports_dir: Path, rt: Runtime
+) -> dict:
     """history.csv is member 0's (one row per epoch, as DVC plots expects); the PNGs show every member,
     and the ensemble's own val figures beside theirs."""
     reports_dir.mkdir(parents=True, exist_ok=True)
@@ -237,12 +251,20 @@ def fit_check(history: Path, train_labels: np.ndarray, ok_index: int, ok_share: 
     n_ok = int((train_labels == ok_index).sum())
     n_defect = int(((train_labels >= 0) & (train_labels != ok_index)).sum())
     share = ok_share * n_ok / (ok_share * n_ok + n_defect)
-    fit_ = {"tile_train_accuracy": last["train_acc"], "tile_val_auc": last.get("val_auc", float("nan")),
-            "epoch_ok_share": share, "tile_model_fit": bool(last["train_acc"] >= share + 0.05)}  # fmt: skip
+    fit_ = {
+        "tile_train_accuracy": last["train_acc"],
+        "tile_val_auc": last.get("val_auc", float("nan")),
+        "epoch_ok_share": share,
+        "tile_model_fit": bool(last["train_acc"] >= share + 0.05),
+    }
     if not fit_["tile_model_fit"]:
-        log.warning("the tile model did not fit: train accuracy %.2f at the last epoch, where calling every "
-                    "tile OK scores %.2f; its figures are a failed training's (try a lower train.lr in "
-                    "tiles.recipe, or another train.seed)", last["train_acc"], share)  # fmt: skip
+        log.warning(
+            "the tile model did not fit: train accuracy %.2f at the last epoch, where calling every "
+            "tile OK scores %.2f; its figures are a failed training's (try a lower train.lr in "
+            "tiles.recipe, or another train.seed)",
+            last["train_acc"],
+            share,
+        )
     return fit_
 
 

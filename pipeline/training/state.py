@@ -116,8 +116,13 @@ class Checkpointer:
         progress = EpochProgress(**mine["progress"])
         self.state = {k: saved[k] for k in self.state}
         s = self.state
-        log.info("resuming from %s after epoch %d, step %d (%d steps done)", where, s["epoch"], progress.step,
-                 s["global_step"])
+        log.info(
+            "resuming from %s after epoch %d, step %d (%d steps done)",
+            where,
+            s["epoch"],
+            progress.step,
+            s["global_step"],
+        )
         return progress
 
     def _load(self, on_mismatch: str) -> tuple[dict, Path] | None:
@@ -140,8 +145,12 @@ class Checkpointer:
             template = sharded_state(self.model, self.optimizer, self.ema)
             found = store.load_latest(template, newest)
             if found is not None:
-                set_state_dict(self.model, self.optimizer, model_state_dict=template["model"],
-                               optim_state_dict=template["optimizer"])
+                set_state_dict(
+                    self.model,
+                    self.optimizer,
+                    model_state_dict=template["model"],
+                    optim_state_dict=template["optimizer"],
+                )
                 self.ema.updates = found[0]["ema_updates"]
         else:
             found = store.load_latest(newest=newest)
@@ -155,8 +164,10 @@ class Checkpointer:
         return found
 
     def _supersede(self, newest: Path, old_fingerprint: str, on_mismatch: str) -> None:
-        where = (f"{newest} was trained on other params, code, data or warm start (fingerprint "
-                 f"{old_fingerprint[:12]}, now {self.fingerprint[:12]})")
+        where = (
+            f"{newest} was trained on other params, code, data or warm start (fingerprint "
+            f"{old_fingerprint[:12]}, now {self.fingerprint[:12]})"
+        )
         if on_mismatch == "stop":
             raise ConfigError(f"checkpoint {where}; stopping (train.on_mismatch: stop). Move it away to start fresh")
         log.warning("checkpoint %s: starting fresh; the old checkpoints move to %s", where, self.root / "superseded")
@@ -187,8 +198,11 @@ class Checkpointer:
             body["ema_updates"] = self.ema.updates  # the EMA weights themselves are among the shards
             self.store.save(self.state["global_step"], body, sharded_state(self.model, self.optimizer, self.ema))
         else:
-            body |= {"model": unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict(),
-                     "ema": self.ema.state_dict()}
+            body |= {
+                "model": unwrap(self.model).state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "ema": self.ema.state_dict(),
+            }
             self.store.save(self.state["global_step"], body)
 
     def keep_best(self, weights: dict, meta: dict, score: list[float]) -> None:
