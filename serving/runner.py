@@ -6,7 +6,7 @@ import glob
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,9 +14,16 @@ import numpy as np
 import onnxruntime as ort
 
 from serving.card import CardError, ModelCard, card_path_for, sha256_file
-from serving.preprocess import DEFAULT_MAX_PIXELS, ImageDecodeError, decode_image, load_image, resize_image
+from serving.preprocess import (
+    DEFAULT_MAX_PIXELS,
+    ImageDecodeError,
+    ImageTooLarge,
+    decode_image,
+    load_image,
+    resize_image,
+)
 from serving.registry import resolve
-from serving.tiles import fuse, image_probs, tile_batch
+from serving.tiles import TileView, fuse, max_tiles, tile_chunks, tile_count
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +64,48 @@ class RunnerError(RuntimeError):
 
 
 # Tiles per run of the tile graph: a batch of large photographs holds hundreds, and one run over all of
-# them would hold every activation at once.
+# them would hold every activation at once. Tiles are also cut run by run (``serving.tiles.tile_chunks``):
+# a long thin photograph's tiles, each padded to a full square, are never all in memory.
 TILE_CHUNK = 64
+
+# One step of ``Runner.predict_steps``: yields after each model run, returns what ``predict`` returns.
+Steps = Generator[None, None, tuple[np.ndarray, np.ndarray]]
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What one request (or one file) may cost, checked on declared sizes before decoding or allocating.
+
+    Derived from a pixel limit and the card (``Runner.budget``): ``pixels`` bounds the decoded images (and
+    so memory), ``tiles`` the tile graph's work (and so time): a 40 MP limit at 128 px tiles allows the
+    2,500 tiles of a 6,324 px square, where a 40,000,000 x 1 strip within the pixel limit would cut 312,500.
+    """
+
+    pixels: int  # declared width x height, over all the request's images
+    tiles: int  # tiles those images cut into (0: the model has no tile graph)
+    tile: int  # tile side in pixels (0: no tile graph)
+
+    def check(self, n: int, height: int, width: int, what: str = "image") -> None:
+        """Raise ImageTooLarge naming the limit and the value when ``n`` images of this size exceed it."""
+        pixels = n * height * width
+        if pixels > self.pixels:
+            raise ImageTooLarge(
+                f"{what} of {n} x {width}x{height} = {pixels} pixels exceeds the limit of {self.pixels} pixels"
+            )
+        tiles = self.cost(n, height, width) if self.tile else 0
+        if tiles > self.tiles:
+            raise ImageTooLarge(
+                f"{what} of {n} x {width}x{height} pixels cuts into {tiles} tiles of {self.tile} px, over the "
+                f"limit of {self.tiles} tiles (the tiles of the largest square within {self.pixels} pixels)"
+            )
+
+    def check_image(self, width: int, height: int) -> None:
+        """``check`` for one image, as ``decode_image``'s ``check_size`` takes it."""
+        self.check(1, height, width)
+
+    def cost(self, n: int, height: int, width: int) -> int:
+        """The work of ``n`` images in model-input units: tiles with a tile graph, else images."""
+        return n * tile_count(height, width, self.tile) if self.tile else n
 
 
 def verify_sha256(path: Path, expected: str, whose: str) -> None:
@@ -219,6 +266,13 @@ class Runner:
             want = ", ".join("any" if d == -1 else str(d) for d in self.input_shape)
             raise ValueError(f"expected uint8 (N, {want}), got {batch.dtype} {tuple(batch.shape)}")
 
+    def budget(self, max_pixels: int = DEFAULT_MAX_PIXELS) -> Budget:
+        """The per-request budget for this card under a pixel limit (``Budget``)."""
+        tiles = self.card.tiles
+        if tiles is None:
+            return Budget(max_pixels, 0, 0)
+        return Budget(max_pixels, max_tiles(max_pixels, tiles.size), tiles.size)
+
     def _tile_probs(self, tiles: np.ndarray) -> np.ndarray:
         """(T, size, size, C) tiles -> (T, K) probabilities, in runs of at most TILE_CHUNK tiles."""
         runs = [
@@ -227,37 +281,54 @@ class Runner:
         ]
         return np.concatenate(runs)
 
-    def predict_views(self, batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(N, H, W, C) uint8 photographs -> the two views ``predict`` fuses, each (N, K): the whole-image
-        graph's probabilities (each photograph resized to the input) and each photograph's most suspicious
-        tile's (``serving.tiles``). For a model with tiles only; diagnostics see which view decided."""
+    def _views_steps(self, batch: np.ndarray) -> Generator[None, None, tuple[np.ndarray, np.ndarray]]:
+        """``predict_views`` one model run at a time: the whole graph, then each run of tiles, cut as needed
+        (at most TILE_CHUNK tiles in memory, whatever the photographs' sizes)."""
         if self.tile_session is None:
             raise ValueError(f"{self.model_path}: the model card has no tile graph")
         self._check(batch)
         spec, size = self.card.input, self.card.tiles.size
         resized = np.stack([resize_image(img, spec.size, spec.resize) for img in batch])
         whole = self.session.run(["probs"], {self.input_name: resized})[0]
-        tiles, parent = tile_batch(batch, size)
-        return whole, image_probs(self._tile_probs(tiles), parent, len(batch), self.card.ok_index)
+        view = TileView(len(batch), whole.shape[1], self.card.ok_index)
+        for parent, tiles in tile_chunks(batch, size, TILE_CHUNK):
+            yield
+            view.add(parent, self.tile_session.run(["probs"], {self.tile_input: tiles})[0])
+        return whole, view.probs()
+
+    def predict_views(self, batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(N, H, W, C) uint8 photographs -> the two views ``predict`` fuses, each (N, K): the whole-image
+        graph's probabilities (each photograph resized to the input) and each photograph's most suspicious
+        tile's (``serving.tiles``). For a model with tiles only; diagnostics see which view decided."""
+        return run_steps(self._views_steps(batch))
+
+    def predict_steps(self, batch: np.ndarray) -> Steps:
+        """``predict`` as a generator that yields after each model run (one for a model without tiles; the
+        whole graph, then each run of at most TILE_CHUNK tiles) and returns what ``predict`` returns, so a
+        scheduler can run other requests between the runs of a large one (``serving.batcher``)."""
+        if self.tile_session is None:
+            self._check(batch)
+            probs, score = self.session.run(["probs", "defect_score"], {self.input_name: batch})
+            return probs, score
+        whole, tiles = yield from self._views_steps(batch)
+        probs = fuse(whole, tiles, self.card.tiles.weight)
+        return probs, (1 - probs[:, self.card.ok_index]).astype(np.float32)
 
     def predict(self, batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(N, H, W, C) uint8 -> probabilities (N, K) float32 and defect scores (N,) float32.
 
         Without tiles the batch is the model input, (N, size, size, C); with tiles it is N photographs of
         any one size at full resolution, and the result is the two views fused by the card's weight."""
-        if self.tile_session is None:
-            self._check(batch)
-            probs, score = self.session.run(["probs", "defect_score"], {self.input_name: batch})
-            return probs, score
-        probs = fuse(*self.predict_views(batch), self.card.tiles.weight)
-        return probs, (1 - probs[:, self.card.ok_index]).astype(np.float32)
+        return run_steps(self.predict_steps(batch))
 
     def load(self, source: str | Path | bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
         """One file (or its bytes) as ``predict`` takes it: the model input, or with tiles the photograph
-        at full resolution (no draft decode: the tiles see it at 1:1)."""
+        at full resolution (no draft decode: the tiles see it at 1:1). Refused before decoding (an
+        ImageTooLarge) when its declared size is over ``budget(max_pixels)``: a strip within the pixel
+        limit can still cut into far more tiles than a photograph."""
         spec = self.card.input
         if self.tile_session is not None:
-            return decode_image(source, spec.channels, max_pixels)
+            return decode_image(source, spec.channels, max_pixels, check_size=self.budget(max_pixels).check_image)
         return load_image(source, spec.size, spec.channels, spec.resize, max_pixels)
 
     def decide(self, probs: np.ndarray, score: float) -> tuple[str, str]:
@@ -303,6 +374,15 @@ class Runner:
             yield from flush()
 
 
+def run_steps(steps: Generator[None, None, tuple]) -> tuple:
+    """Run a step generator (``Runner.predict_steps``) to its end; its return value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
 def open_runner(source: str, card: str | None = None, tracking_uri: str | None = None, **options) -> Runner:
     """A Runner for a model file or a ``models:/NAME@ALIAS`` registry URI (see serving.registry)."""
     src = resolve(source, card, tracking_uri)
@@ -326,4 +406,13 @@ def expand_inputs(inputs: Iterable[str]) -> list[Path]:
     return files
 
 
-__all__ = ["CardError", "Prediction", "Runner", "RunnerError", "expand_inputs", "open_runner", "resolve_providers"]
+__all__ = [
+    "Budget",
+    "CardError",
+    "Prediction",
+    "Runner",
+    "RunnerError",
+    "expand_inputs",
+    "open_runner",
+    "resolve_providers",
+]

@@ -11,6 +11,7 @@ view is its tile with the highest defect score, and the fused probabilities are
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -59,7 +60,61 @@ def tile_batch(images: np.ndarray, tile: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def tile_count(height: int, width: int, tile: int) -> int:
-    return len(spans(height, tile)) * len(spans(width, tile))
+    """How many tiles ``cut_tiles`` gives for an image of this size: arithmetic only, so a declared size of
+    any magnitude (a header's 2^31 px strip) is counted without a list of its offsets."""
+    return max(1, math.ceil(height / tile)) * max(1, math.ceil(width / tile))
+
+
+def max_tiles(max_pixels: int, tile: int) -> int:
+    """The tile budget of ``max_pixels``: the tiles of the largest square photograph within it. A long thin
+    image has few pixels but many tiles (each padded to a full square): this is the limit it meets."""
+    side = math.isqrt(max_pixels)
+    return tile_count(side, side, tile)
+
+
+def tile_chunks(images: np.ndarray, tile: int, chunk: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """``tile_batch`` in runs: (each tile's image index (t,), tiles (t, tile, tile, C) uint8), t <= ``chunk``,
+    cut as they are needed, so at most one run of tiles is in memory whatever the photographs' sizes."""
+    parent: list[int] = []
+    cut: list[np.ndarray] = []
+    for i, img in enumerate(images):
+        h, w = img.shape[:2]
+        for y in spans(h, tile):
+            for x in spans(w, tile):
+                parent.append(i)
+                cut.append(pad_to(img[y : y + tile, x : x + tile], tile))
+                if len(cut) == chunk:
+                    yield np.array(parent), np.stack(cut)
+                    parent, cut = [], []
+    if cut:
+        yield np.array(parent), np.stack(cut)
+
+
+class TileView:
+    """``image_probs`` gathered run by run: each image's probabilities are those of its tile with the
+    highest defect score (1 - p(ok)) among the runs added so far; ties keep the first tile, as there."""
+
+    def __init__(self, n: int, classes: int, ok_index: int) -> None:
+        self.ok_index = ok_index
+        self.best = np.zeros((n, classes), np.float32)  # (n, K)
+        self.score = np.full(n, -np.inf)  # (n,) the best tile's defect score so far
+        self.seen = np.zeros(n, bool)
+
+    def add(self, parent: np.ndarray, tile_probs: np.ndarray) -> None:
+        """One run: ``tile_probs`` (t, K) of tiles whose images are ``parent`` (t,)."""
+        score = 1 - tile_probs[:, self.ok_index]
+        order = np.lexsort((-score, parent))  # by image, the most suspicious tile first
+        first = order[np.r_[True, parent[order][1:] != parent[order][:-1]]]
+        img = parent[first]
+        better = ~self.seen[img] | (score[first] > self.score[img])
+        self.best[img[better]] = tile_probs[first[better]]
+        self.score[img[better]] = score[first[better]]
+        self.seen[img] = True
+
+    def probs(self) -> np.ndarray:
+        if not self.seen.all():
+            raise ValueError(f"{int((~self.seen).sum())} images have no tile")
+        return self.best
 
 
 def image_probs(tile_probs: np.ndarray, parent: np.ndarray, n: int, ok_index: int) -> np.ndarray:
