@@ -2,7 +2,24 @@
 
 Export writes it twice: as a sidecar JSON next to the ONNX file (``<model>.card.json``, with the
 file's sha256) and inside the ONNX metadata (``model_card``, without the sha256, which cannot hash
-the file that contains it). The runner reads the sidecar, checks the sha256, and trusts nothing else.
+the file that contains it), together with ``model_card_sha256``: the sha256 of the card's canonical
+JSON (``canonical_json``: every field but ``sha256``, keys sorted, no spaces).
+
+Nothing in a card is trusted before it is checked (``ModelCard.read``):
+
+- **schema**: every field has its type (a boolean is ``true``/``false``, never the string ``"false"``;
+  an integer is never a float or a boolean), the threshold is a finite number in [0, 1], the classes
+  are at least two unique non-empty strings with ``ok_class`` among them, the variant is a known one,
+  the input side and channels are positive integers, a tile graph is named by a bare file name beside
+  the model. All problems are reported at once, each naming the field and the file.
+- **integrity** (``check_card_against_graph``, called by the runner on the graph's metadata): the
+  sidecar's canonical sha256 must be the ``model_card_sha256`` that export recorded inside the model
+  (whose bytes the sidecar's ``sha256`` covers), so an edited threshold or a reordered class list in the
+  sidecar is refused, naming the fields that differ from the embedded card. A model exported before
+  that hash was recorded is checked field by field against its embedded ``model_card`` instead (equally
+  strict; a log line asks for a re-export). A graph with no embedded card at all (built by hand, or by
+  another tool) loads with a warning: its card is checked against the schema and the graph's shapes,
+  but an edit to it cannot be seen.
 """
 
 from __future__ import annotations
@@ -10,11 +27,21 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
+import os
+import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 CARD_VERSION = 1
+VARIANTS = ("fp32", "fp16", "int8")
+PROVIDERS = ("cpu", "cuda", "tensorrt")  # keys of ``recommended``
+METADATA_CARD = "model_card"  # ONNX metadata key: the card as JSON, without ``sha256``
+METADATA_CARD_SHA256 = "model_card_sha256"  # ONNX metadata key: ``card_sha256`` of that card
+MAX_CARD_BYTES = 1 << 20  # a card is a few kB; a larger file is not a card
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 class CardError(ValueError):
@@ -72,38 +99,18 @@ class ModelCard:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], where: str = "model card") -> ModelCard:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - names)
-        if unknown:
-            raise CardError(f"{where}: unknown field {unknown[0]!r}")
-        missing = [
-            f.name
-            for f in dataclasses.fields(cls)
-            if f.name not in raw and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        ]  # type: ignore[misc]
-        if missing:
-            raise CardError(f"{where}: missing field {missing[0]!r}")
-        if raw.get("card_version", CARD_VERSION) != CARD_VERSION:
-            raise CardError(f"{where}: card_version {raw['card_version']} is not supported (expected {CARD_VERSION})")
-        try:
-            spec = InputSpec(**raw["input"])
-        except TypeError as exc:
-            raise CardError(f"{where}: field 'input': {exc}") from None
+    def from_dict(cls, raw: Any, where: str = "model card") -> ModelCard:
+        """A card from parsed JSON, refused with every schema problem listed (each names its field)."""
+        if not isinstance(raw, dict):
+            raise CardError(f"{where}: a model card is a JSON object, got {type(raw).__name__}")
+        raw = {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in raw.items()}
+        problems = card_problems(raw)
+        if problems:
+            raise CardError(f"{where}: " + "; ".join(problems))
         tiles = raw.get("tiles")
         if tiles is not None:
-            try:
-                tiles = TileSpec(**tiles)
-            except TypeError as exc:
-                raise CardError(f"{where}: field 'tiles': {exc}") from None
-            if not 0 < tiles.weight <= 1 or tiles.size < 1:
-                raise CardError(f"{where}: tiles.weight must be in (0, 1] and tiles.size >= 1, got {tiles}")
-        card = cls(**{**raw, "input": spec, "tiles": tiles})
-        if card.ok_class not in card.classes:
-            raise CardError(f"{where}: ok_class {card.ok_class!r} is not one of classes {card.classes}")
-        if spec.channels not in (1, 3) or spec.resize not in ("letterbox", "squash"):
-            raise CardError(f"{where}: input.channels must be 1 or 3 and input.resize letterbox or squash")
-        return card
+            tiles = TileSpec(**{**tiles, "weight": float(tiles["weight"])})
+        return cls(**{**raw, "input": InputSpec(**raw["input"]), "tiles": tiles, "threshold": float(raw["threshold"])})
 
     @classmethod
     def read(cls, path: str | Path) -> ModelCard:
@@ -111,13 +118,264 @@ class ModelCard:
         if not path.is_file():
             raise CardError(f"{path}: model card not found (export writes it beside the model)")
         try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
+            raw = json.loads(read_regular_file(path, MAX_CARD_BYTES))
+        except OSError as exc:
+            raise CardError(f"{path}: cannot read the model card: {exc.strerror or exc}") from None
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             raise CardError(f"{path}: not valid JSON: {exc}") from None
         return cls.from_dict(raw, str(path))
 
     def write(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json() + "\n")
+
+
+# --- the schema -------------------------------------------------------------------------------------------
+# A check takes the value and returns what is wrong with it ('' when nothing is).
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _string(v: Any) -> str:
+    return "" if isinstance(v, str) else f"must be a string, got {v!r}"
+
+
+def _nonempty(v: Any) -> str:
+    return "" if isinstance(v, str) and v.strip() else f"must be a non-empty string, got {v!r}"
+
+
+def _boolean(v: Any) -> str:
+    return "" if isinstance(v, bool) else f"must be true or false (a JSON boolean), got {v!r}"
+
+
+def _positive_int(v: Any) -> str:
+    return "" if _is_int(v) and v > 0 else f"must be a positive integer, got {v!r}"
+
+
+def _one_of(*allowed: Any):
+    def check(v: Any) -> str:
+        ok = isinstance(v, str | int) and not isinstance(v, bool) and v in allowed
+        return "" if ok else f"must be one of {', '.join(map(repr, allowed))}, got {v!r}"
+
+    return check
+
+
+def _nested(v: Any) -> str:
+    return ""  # ``input`` and ``tiles`` are checked field by field in card_problems
+
+
+def _threshold(v: Any) -> str:
+    ok = _is_number(v) and math.isfinite(v) and 0.0 <= v <= 1.0
+    return "" if ok else f"must be a finite number in [0, 1], got {v!r}"
+
+
+def _weight(v: Any) -> str:
+    ok = _is_number(v) and math.isfinite(v) and 0.0 < v <= 1.0
+    return "" if ok else f"must be a finite number in (0, 1], got {v!r}"
+
+
+def _sha256(v: Any) -> str:
+    return "" if isinstance(v, str) and _SHA256.fullmatch(v) else f"must be 64 lowercase hex digits, got {v!r}"
+
+
+def _sha256_or_empty(v: Any) -> str:
+    return "" if v == "" else _sha256(v)
+
+
+def _classes(v: Any) -> str:
+    if not isinstance(v, list) or len(v) < 2:
+        return f"must be a list of at least two class names, got {v!r}"
+    if not all(isinstance(c, str) and c.strip() for c in v):
+        return f"must hold only non-empty strings, got {v!r}"
+    dupes = sorted({c for c in v if v.count(c) > 1})
+    return f"must not repeat a class, {dupes[0]!r} appears more than once" if dupes else ""
+
+
+def _object(value_check=None, keys: tuple[str, ...] = ()):
+    def check(v: Any) -> str:
+        if not isinstance(v, dict):
+            return f"must be a JSON object, got {v!r}"
+        bad_keys = [k for k in v if keys and k not in keys]
+        if bad_keys:
+            return f"unknown key {bad_keys[0]!r} (expected {', '.join(keys)})"
+        bad = [(k, value_check(x)) for k, x in v.items() if value_check and value_check(x)]
+        return f"key {bad[0][0]!r} {bad[0][1]}" if bad else ""
+
+    return check
+
+
+def _tile_name(v: Any) -> str:
+    """A bare file name beside the model: a path would let a card point the runner anywhere."""
+    ok = isinstance(v, str) and v and v not in (".", "..") and "/" not in v and "\\" not in v and "\0" not in v
+    return "" if ok else f"must be a file name beside the model (no folders), got {v!r}"
+
+
+INPUT_FIELDS = {
+    "size": _positive_int,
+    "channels": _one_of(1, 3),
+    "resize": _one_of("letterbox", "squash"),
+    "layout": _one_of("NHWC"),
+    "dtype": _one_of("uint8"),
+}
+TILE_FIELDS = {
+    "model": _tile_name,
+    "sha256": _sha256,
+    "size": _positive_int,
+    "weight": _weight,
+    "architecture": _string,
+}
+CARD_FIELDS = {
+    "name": _nonempty,
+    "architecture": _string,
+    "classes": _classes,
+    "ok_class": _nonempty,
+    "threshold": _threshold,
+    "variant": _one_of(*VARIANTS),
+    "deployable": _boolean,
+    "not_deployable_reason": _string,
+    "sha256": _sha256_or_empty,
+    "training_run_id": _string,
+    "data_fingerprint": _string,
+    "parity": _object(),
+    "recommended": _object(_one_of(*VARIANTS), PROVIDERS),
+    "outputs": _object(_string),
+    "card_version": _one_of(CARD_VERSION),
+    "input": _nested,
+    "tiles": _nested,
+}
+
+
+def _fields_problems(raw: dict, checks: dict, required: set[str], prefix: str = "") -> list[str]:
+    problems = [f"unknown field '{prefix}{k}'" for k in raw if k not in checks]
+    problems += [f"missing field '{prefix}{k}'" for k in checks if k in required and k not in raw]
+    for k, check in checks.items():
+        why = check(raw[k]) if k in raw else ""
+        if why:
+            problems.append(f"field '{prefix}{k}' {why}")
+    return problems
+
+
+def _required(cls) -> set[str]:
+    return {
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING  # type: ignore[misc]
+    }
+
+
+def card_problems(raw: dict) -> list[str]:
+    """Everything wrong with a card's parsed JSON, each naming its field; [] for a good card."""
+    problems = _fields_problems(raw, CARD_FIELDS, _required(ModelCard))
+    spec = raw.get("input")
+    if "input" in raw and not isinstance(spec, dict):
+        problems.append(f"field 'input' must be a JSON object, got {spec!r}")
+    elif isinstance(spec, dict):
+        problems += _fields_problems(spec, INPUT_FIELDS, _required(InputSpec), "input.")
+    tiles = raw.get("tiles")
+    if tiles is not None and not isinstance(tiles, dict):
+        problems.append(f"field 'tiles' must be a JSON object or null, got {tiles!r}")
+    elif isinstance(tiles, dict):
+        problems += _fields_problems(tiles, TILE_FIELDS, _required(TileSpec), "tiles.")
+    ok, classes = raw.get("ok_class"), raw.get("classes")
+    if isinstance(ok, str) and isinstance(classes, list) and ok not in classes:
+        problems.append(f"field 'ok_class' {ok!r} is not one of classes {classes}")
+    return problems
+
+
+# --- integrity --------------------------------------------------------------------------------------------
+
+
+def canonical_json(card: ModelCard) -> str:
+    """The card as the hash sees it: every field but the model file's own ``sha256``, keys sorted, compact."""
+    body = dataclasses.asdict(card)
+    body.pop("sha256")
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+def card_sha256(card: ModelCard) -> str:
+    """The card's own fingerprint, recorded in the ONNX metadata at export (``METADATA_CARD_SHA256``)."""
+    return hashlib.sha256(canonical_json(card).encode()).hexdigest()
+
+
+def _differences(mine: dict, embedded: dict, prefix: str = "") -> list[str]:
+    """'field': card X, model Y for each field where the sidecar and the embedded card differ."""
+    out = []
+    for key in sorted(set(mine) | set(embedded)):
+        a, b = mine.get(key), embedded.get(key)
+        if isinstance(a, dict) and isinstance(b, dict) and key in ("input", "tiles"):
+            out += _differences(a, b, f"{prefix}{key}.")
+        elif json.dumps(a, sort_keys=True) != json.dumps(b, sort_keys=True):
+            out.append(f"'{prefix}{key}': card {a!r}, model {b!r}")
+    return out
+
+
+def check_card_against_graph(card: ModelCard, metadata: dict[str, str], card_where: str, model_where: str) -> str:
+    """Refuse a card that is not the one export embedded in the graph; return a warning ('' when none).
+
+    ``metadata`` is the graph's ONNX metadata (onnxruntime's ``custom_metadata_map``)."""
+    recorded, embedded_json = metadata.get(METADATA_CARD_SHA256), metadata.get(METADATA_CARD)
+    try:
+        embedded = json.loads(embedded_json) if embedded_json else None
+    except ValueError:
+        embedded = None
+    if recorded is None and not isinstance(embedded, dict):
+        return (
+            f"{model_where} carries no embedded model card: {card_where} is checked against the schema and the "
+            "graph's shapes, but an edit to it cannot be detected (export with the export stage to bind them)"
+        )
+    digest = card_sha256(card)
+    if recorded is not None and recorded == digest:
+        return ""
+    diff = _differences(json.loads(canonical_json(card)), embedded) if isinstance(embedded, dict) else []
+    if recorded is None and not diff:
+        return (
+            f"{model_where} was exported before the card's own sha256 was recorded; {card_where} matches the card "
+            "embedded in the model field by field (re-export to record the hash)"
+        )
+    detail = f" (fields that differ: {'; '.join(diff)})" if diff else ""
+    raise CardError(
+        f"{card_where}: the card is not the one export recorded in {model_where}: its sha256 {digest[:12]}... "
+        f"differs from the model's {(recorded or '(none)')[:12]}...{detail}. The card was edited or belongs to "
+        "another export: restore it or export again"
+    )
+
+
+# --- files ------------------------------------------------------------------------------------------------
+
+
+def read_regular_file(path: str | Path, limit: int | None = None) -> bytes:
+    """The bytes of a regular file, read once. A FIFO, socket or device is refused without reading (opened
+    non-blocking, so a FIFO with no writer cannot hang the caller); a file over ``limit`` bytes too."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(f"{path}: not a regular file ({file_kind(st.st_mode)})")
+        if limit is not None and st.st_size > limit:
+            raise OSError(f"{path}: {st.st_size} bytes, more than the {limit} expected")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read()
+    finally:
+        os.close(fd)
+
+
+def file_kind(mode: int) -> str:
+    """'a FIFO (named pipe)', 'a socket', ... for a stat mode: what a result line says was skipped."""
+    kinds = (
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    )
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
 
 
 def sha256_file(path: str | Path) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import hashlib
 import logging
 import os
 import time
@@ -12,8 +13,9 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
-from serving.card import CardError, ModelCard, card_path_for, sha256_file
+from serving.card import CardError, ModelCard, card_path_for, check_card_against_graph, read_regular_file
 from serving.preprocess import (
     DEFAULT_MAX_PIXELS,
     ImageDecodeError,
@@ -34,12 +36,17 @@ PROVIDER_NAMES = {
 }
 
 
-def provider_options(providers: list[str], trt_cache: str | None = None, trt_fp16: bool = False) -> list:
+def provider_options(
+    providers: list[str], trt_cache: str | None = None, trt_fp16: bool = False, cache_prefix: str = ""
+) -> list:
     """onnxruntime's ``providers`` argument: names, with options for TensorRT.
 
     TensorRT builds an engine for the model on first use (tens of seconds to minutes); with a cache
     folder the engine and the timing cache are written there and a restart loads them in seconds.
     ``trt_fp16`` lets TensorRT run layers in fp16 (use it with the fp32 model; the fp16 model already is).
+    ``cache_prefix`` names the engines (the runner passes the start of the model's sha256): TensorRT's own
+    cache key is the graph's structure, not its weights, so a retrained model of the same architecture
+    would otherwise run a stale engine built from the old weights.
     """
     out: list = []
     for name in providers:
@@ -53,6 +60,8 @@ def provider_options(providers: list[str], trt_cache: str | None = None, trt_fp1
                     "trt_timing_cache_enable": "1",
                     "trt_timing_cache_path": str(trt_cache),
                 }
+                if cache_prefix:
+                    opts["trt_engine_cache_prefix"] = cache_prefix
             out.append((name, opts))
         else:
             out.append(name)
@@ -61,6 +70,18 @@ def provider_options(providers: list[str], trt_cache: str | None = None, trt_fp1
 
 class RunnerError(RuntimeError):
     """The runner refuses to start; the message says why and what to do."""
+
+
+# onnxruntime's own exception classes (plain Exception subclasses) for a graph it cannot load
+ORT_LOAD_ERRORS = (
+    ort_state.Fail,
+    ort_state.InvalidArgument,
+    ort_state.InvalidProtobuf,
+    ort_state.InvalidGraph,
+    ort_state.NoSuchFile,
+    ort_state.NotImplemented,
+    ort_state.RuntimeException,
+)
 
 
 # Tiles per run of the tile graph: a batch of large photographs holds hundreds, and one run over all of
@@ -108,14 +129,52 @@ class Budget:
         return n * tile_count(height, width, self.tile) if self.tile else n
 
 
-def verify_sha256(path: Path, expected: str, whose: str) -> None:
-    """Refuse a file whose sha256 is not the card's: it was changed, or the card belongs to another model."""
-    digest = sha256_file(path)
+def read_verified(path: Path, expected: str, whose: str) -> bytes:
+    """The graph's bytes, read once, refused unless their sha256 is the card's (the file was changed, or the
+    card belongs to another model). The session is made from these same bytes, never from the path again,
+    so a file swapped after the check is never the one that runs."""
+    try:
+        data = read_regular_file(path)
+    except OSError as exc:
+        raise RunnerError(f"{path}: cannot read the model: {exc.strerror or exc}") from None
+    digest = hashlib.sha256(data).hexdigest()
     if digest != expected:
         raise RunnerError(
             f"{path}: sha256 {digest[:12]}... does not match {whose} {expected[:12] or '(none)'}...: "
             "the file was changed or the card belongs to another model"
         )
+    return data
+
+
+def check_graph(session: ort.InferenceSession, card: ModelCard, path: Path, side_field: str) -> None:
+    """Refuse a card that does not describe the graph: one uint8 input (N, side, side, channels), with side
+    the card's ``side_field`` (input.size or tiles.size), outputs ``probs`` (N, len(classes)) and
+    ``defect_score``. An input axis the graph leaves symbolic is not checked; a symbolic output width is,
+    by one run on a blank image."""
+    side = card.input.size if side_field == "input.size" else card.tiles.size
+    spec, k = card.input, len(card.classes)
+    inputs, outputs = session.get_inputs(), {o.name: o for o in session.get_outputs()}
+    problems = []
+    if len(inputs) != 1 or inputs[0].type != "tensor(uint8)" or len(inputs[0].shape) != 4:
+        problems.append(f"expected one uint8 input (N, H, W, C), the graph has {[(i.type, i.shape) for i in inputs]}")
+    else:
+        got = inputs[0].shape[1:]
+        if any(isinstance(g, int) and g != w for g, w in zip(got, (side, side, spec.channels), strict=True)):
+            problems.append(
+                f"card fields '{side_field}' and 'input.channels' give an input (N, {side}, {side}, "
+                f"{spec.channels}), the graph takes (N, {', '.join(map(str, got))})"
+            )
+    if "probs" not in outputs or "defect_score" not in outputs:
+        problems.append(f"expected outputs probs and defect_score, the graph has {sorted(outputs)}")
+    elif not problems:
+        width = outputs["probs"].shape[-1] if len(outputs["probs"].shape) == 2 else None
+        if not isinstance(width, int):
+            blank = np.zeros((1, side, side, spec.channels), np.uint8)
+            width = session.run(["probs"], {inputs[0].name: blank})[0].shape[-1]
+        if width != k:
+            problems.append(f"card field 'classes' names {k} classes, the graph's probs has {width} columns")
+    if problems:
+        raise CardError(f"{path}: the model card does not describe this graph: " + "; ".join(problems))
 
 
 def _machine_has_nvidia_gpu() -> bool:
@@ -169,19 +228,26 @@ def session_options(threads: int = 0, spin: bool = True) -> ort.SessionOptions:
 
 
 def open_checked_session(
-    path: Path,
+    model: Path | bytes,
     options: ort.SessionOptions,
     wanted: list[str],
     trt_cache: str | None = None,
     trt_fp16: bool = False,
     allow_cpu_fallback: bool = False,
+    cache_prefix: str = "",
 ) -> ort.InferenceSession:
     """A session on the ``wanted`` providers; fails when a GPU was asked for and only the CPU started.
 
+    ``model`` is the graph's bytes (what the runner passes: the bytes it hashed) or a path.
     onnxruntime falls back to the CPU silently (mismatched CUDA libraries, no GPU); a box meant to run
     on the GPU would then run on the CPU without a word, so that is an error unless ``allow_cpu_fallback``.
     """
-    session = ort.InferenceSession(str(path), options, providers=provider_options(wanted, trt_cache, trt_fp16))
+    source = model if isinstance(model, bytes) else str(model)
+    providers = provider_options(wanted, trt_cache, trt_fp16, cache_prefix)
+    try:
+        session = ort.InferenceSession(source, options, providers=providers)
+    except ORT_LOAD_ERRORS as exc:  # a graph onnxruntime cannot parse or place: a clear refusal, not a traceback
+        raise RunnerError(f"onnxruntime cannot load the model: {type(exc).__name__}: {exc}") from None
     got = session.get_providers()
     asked_gpu = any(p != "CPUExecutionProvider" for p in wanted)
     got_gpu = any(p != "CPUExecutionProvider" for p in got)
@@ -215,37 +281,45 @@ class Runner:
         self.model_path = Path(model_path)
         if not self.model_path.is_file():
             raise RunnerError(f"{self.model_path}: model file not found")
-        self.card = ModelCard.read(card_path or card_path_for(self.model_path))
-        verify_sha256(self.model_path, self.card.sha256, "the model card's")
+
+        def open_session(path: Path, sha256: str, whose: str, side_field: str) -> ort.InferenceSession:
+            data = read_verified(path, sha256, whose)
+            prefix = f"m{sha256[:16]}"  # TensorRT engines named by the bytes they were built from
+            session = open_checked_session(data, options, wanted, trt_cache, trt_fp16, allow_cpu_fallback, prefix)
+            check_graph(session, self.card, path, side_field)
+            return session
+
+        card_file = Path(card_path or card_path_for(self.model_path))
+        self.card = ModelCard.read(card_file)
+        wanted = resolve_providers(providers)
+        options = session_options(threads, spin)
+        spec, tiles = self.card.input, self.card.tiles
+        self.session = open_session(self.model_path, self.card.sha256, "the model card's", "input.size")
+        metadata = self.session.get_modelmeta().custom_metadata_map
+        warning = check_card_against_graph(self.card, metadata, str(card_file), str(self.model_path))
+        if warning:
+            log.warning("%s", warning)
         if not self.card.deployable and not force:
             raise RunnerError(
                 f"{self.model_path}: the model card marks variant {self.card.variant!r} not deployable "
                 f"({self.card.not_deployable_reason}); pass force to load it anyway"
             )
-        wanted = resolve_providers(providers)
-        options = session_options(threads, spin)
-
-        def open_session(path: Path) -> ort.InferenceSession:
-            return open_checked_session(path, options, wanted, trt_cache, trt_fp16, allow_cpu_fallback)
-
-        self.session = open_session(self.model_path)
         self.providers = self.session.get_providers()
         log.info("model %s (%s), providers in use: %s", self.card.name, self.card.variant, self.providers)
         self.input_name = self.session.get_inputs()[0].name
-        spec, tiles = self.card.input, self.card.tiles
         self.input_shape = (spec.size, spec.size, spec.channels)
         self.tile_session = None
         warm_shape = self.input_shape
         if tiles is not None:
             # Photographs of any size: the whole graph gets each one resized, the tile graph its 1:1 tiles.
+            # The card's tiles.model is a bare file name (the schema refuses a path), so this stays beside it.
             tile_path = self.model_path.parent / tiles.model
             if not tile_path.is_file():
                 raise RunnerError(
                     f"{tile_path}: tile graph not found (the card's tiles.model; export writes it beside "
                     f"{self.model_path.name}, and a registry version holds both)"
                 )
-            verify_sha256(tile_path, tiles.sha256, "the model card's tiles")
-            self.tile_session = open_session(tile_path)
+            self.tile_session = open_session(tile_path, tiles.sha256, "the model card's tiles", "tiles.size")
             self.tile_input = self.tile_session.get_inputs()[0].name
             self.input_shape = (-1, -1, spec.channels)
             warm_shape = (tiles.size, tiles.size, spec.channels)  # one tile per image: both graphs at batch n

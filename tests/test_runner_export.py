@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -15,7 +16,7 @@ import yaml
 from pipeline.config import params_from_dict
 from pipeline.data.prepare import load_split
 from pipeline.export.onnx import export_onnx
-from pipeline.export.variants import compare, gate
+from pipeline.export.variants import compare, gate, write_card
 from pipeline.metrics import softmax
 from pipeline.model import DefectNet, load_model, predict_logits
 from pipeline.runtime import resolve_runtime
@@ -122,9 +123,13 @@ def test_tampered_model_is_refused(model, tmp_path):
 def test_not_deployable_card_is_refused_unless_forced(model, tmp_path):
     _, _, onnx_path = model
     shutil.copy(onnx_path, tmp_path / "model.onnx")
-    card = json.loads(onnx_path.with_name("model.card.json").read_text())
-    card.update(deployable=False, not_deployable_reason="defect recall dropped 5%")
-    (tmp_path / "model.card.json").write_text(json.dumps(card))
+    card = ModelCard.read(onnx_path.with_name("model.card.json"))
+    # as the export stage marks a variant: in the graph's embedded card and the sidecar (an edit of the
+    # sidecar alone is refused: tests/test_hostile_files.py)
+    write_card(
+        dataclasses.replace(card, deployable=False, not_deployable_reason="defect recall dropped 5%"),
+        tmp_path / "model.onnx",
+    )
     with pytest.raises(RunnerError, match="not deployable .defect recall dropped 5%"):
         Runner(tmp_path / "model.onnx", providers="cpu")
     assert Runner(tmp_path / "model.onnx", providers="cpu", force=True).ready
@@ -143,7 +148,6 @@ def test_onnx_metadata_carries_the_card(model):
 
 def test_a_broken_export_is_caught_by_parity(model, tmp_path):
     import copy
-    import dataclasses
 
     from serving.card import card_path_for, sha256_file
 

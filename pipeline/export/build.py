@@ -32,12 +32,13 @@ from pipeline.export.variants import (
     scores,
     variant_path,
     with_tile_graph,
+    write_card,
 )
 from pipeline.metrics import softmax
 from pipeline.model import load_model, load_tile_model, predict_logits
 from pipeline.plots import variants_plot
 from pipeline.runtime import resolve_runtime
-from serving.card import InputSpec, ModelCard, TileSpec, card_path_for, sha256_file
+from serving.card import InputSpec, ModelCard, TileSpec
 from serving.preprocess import decode_image
 from serving.runner import Runner
 from serving.tiles import tile_graph_path
@@ -90,9 +91,8 @@ def export_model(cfg: ExportConfig, name: str, src: Inputs, fp32: Path) -> Expor
         graphs.append((tiles[0], tiles[1]["tile"], tile_paths, src.prepared / "tiles"))
     for graph, size, files, data in graphs:  # each graph in every variant
         write_variants(cfg, graph, card, size, meta["channels"], files, data)
-    for v, path in paths.items():  # provisional cards, so the runner (which checks the sha256) loads them
-        c = with_tile_graph(card, tile_paths[v]) if tiles else card
-        dataclasses.replace(c, variant=v, sha256=sha256_file(path)).write(card_path_for(path))
+    for v, path in paths.items():  # provisional cards, so the runner (which checks the card and sha256) loads them
+        write_card(dataclasses.replace(with_tile_graph(card, tile_paths[v]) if tiles else card, variant=v), path)
     report, n_test = parity(cfg, net, tiles, meta, card, paths, tile_paths, src)
     reasons = gate(report, cfg)
     recommended = recommend(report, reasons)

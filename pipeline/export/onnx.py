@@ -17,7 +17,7 @@ import torch
 
 from pipeline.config import StageError
 from pipeline.model import DefectNet, ExportHead
-from serving.card import ModelCard
+from serving.card import METADATA_CARD, METADATA_CARD_SHA256, ModelCard, card_sha256
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +49,13 @@ def export_onnx(
 
 
 def set_card_metadata(model: onnx.ModelProto, card: ModelCard) -> None:
+    """Embed ``card`` in the graph's metadata: the card (less the file's own sha256, which a file cannot carry)
+    and the sha256 of its canonical JSON, which the runner compares with the sidecar's (serving.card)."""
     meta = json.loads(card.to_json())
-    meta.pop("sha256")  # a file cannot carry its own hash
+    meta.pop("sha256")
     for prop in list(model.metadata_props):
-        if prop.key == "model_card":
+        if prop.key in (METADATA_CARD, METADATA_CARD_SHA256):
             model.metadata_props.remove(prop)
-    onnx.helper.set_model_props(model, {"model_card": json.dumps(meta, sort_keys=True)})
+    onnx.helper.set_model_props(
+        model, {METADATA_CARD: json.dumps(meta, sort_keys=True), METADATA_CARD_SHA256: card_sha256(card)}
+    )

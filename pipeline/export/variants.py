@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import tempfile
 from pathlib import Path
@@ -87,6 +88,19 @@ def with_tile_graph(card: ModelCard, tile_path: Path) -> ModelCard:
     return dataclasses.replace(
         card, tiles=dataclasses.replace(card.tiles, model=tile_path.name, sha256=sha256_file(tile_path))
     )
+
+
+def write_card(card: ModelCard, path: Path) -> ModelCard:
+    """Bind ``card`` to the graph at ``path``: checked against the card schema (an export never writes a card
+    the runner would refuse), embedded in the graph's metadata with its own sha256, then written as the sidecar
+    with the file's sha256. Returns the sidecar's card."""
+    ModelCard.from_dict(json.loads(card.to_json()), f"the card for {path}")
+    model = onnx.load(str(path))
+    set_card_metadata(model, card)
+    onnx.save(model, str(path))
+    card = dataclasses.replace(card, sha256=sha256_file(path))
+    card.write(card_path_for(path))
+    return card
 
 
 def calibration_images(images: np.ndarray, count: int, seed: int) -> np.ndarray:
@@ -205,8 +219,4 @@ def finish_cards(
             parity=figures,
             recommended=recommended,
         )
-        model = onnx.load(str(path))
-        set_card_metadata(model, card)
-        onnx.save(model, str(path))
-        card = dataclasses.replace(card, sha256=sha256_file(path))
-        card.write(card_path_for(path))
+        write_card(card, path)
