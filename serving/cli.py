@@ -10,17 +10,20 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import itertools
 import json
 import logging
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from serving.card import CardError
+from serving.files import list_inputs, score_files, skipped
 from serving.registry import RegistryError
 from serving.review import ReviewRule
-from serving.runner import Runner, RunnerError, expand_inputs, open_runner
+from serving.runner import Prediction, Runner, RunnerError, open_runner
 from serving.watch import Watcher
 
 try:
@@ -73,9 +76,19 @@ def _runner(args: argparse.Namespace) -> Runner:
     )
 
 
+def _rows(runner: Runner, inputs: list[str], batch_size: int) -> tuple[int, int, Iterator[Prediction]]:
+    """How many rows predict writes, how many of them are skipped entries, and the rows: one per entry found,
+    the skipped ones (a FIFO, a broken link, an input matching nothing) first, then every regular file scored
+    (``serving.files.score_files``: one poison file is its own error row and never ends the run)."""
+    entries = list_inputs(inputs)
+    files = [p for p, why in entries if not why]
+    rows = itertools.chain((skipped(p, why) for p, why in entries if why), score_files(runner, files, batch_size))
+    return len(entries), len(entries) - len(files), rows
+
+
 def cmd_predict(args: argparse.Namespace) -> int:
     runner = _runner(args)
-    files = expand_inputs(args.inputs)
+    total, skips, rows = _rows(runner, args.inputs, args.batch_size)
     out = open(args.out, "w", newline="") if args.out else sys.stdout  # noqa: SIM115 (closed below)
     fmt = args.format or ("csv" if args.out and args.out.endswith(".csv") else "jsonl")
     writer = None
@@ -92,10 +105,9 @@ def cmd_predict(args: argparse.Namespace) -> int:
                 "error",
             ]
         )
-    rows = runner.predict_files(files, args.batch_size)
     if tqdm is not None and args.out:
-        rows = tqdm(rows, total=len(files), unit="img")
-    errors = 0
+        rows = tqdm(rows, total=total, unit="img")
+    errors = -skips  # the skipped entries' rows carry their reason as an error
     for r in rows:
         errors += bool(r.error)
         if writer:
@@ -115,7 +127,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
             out.write(json.dumps(dataclasses.asdict(r)) + "\n")
     if args.out:
         out.close()
-    print(f"scored {len(files) - errors} of {len(files)} files ({errors} unreadable)", file=sys.stderr)
+    also = f", {skips} skipped" if skips else ""
+    print(f"scored {total - errors - skips} of {total} files ({errors} unreadable{also})", file=sys.stderr)
     return 0
 
 
@@ -137,7 +150,9 @@ def cmd_watch(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: (watcher.stop.set(), watcher.wake.set()))
     counts = watcher.run(once=args.once)
     print(
-        f"watch: {counts['done']} scored, {counts['failed']} failed, {counts['review']} sent to review", file=sys.stderr
+        f"watch: {counts['done']} scored, {counts['failed']} failed, {counts['review']} sent to review, "
+        f"{counts['skipped']} skipped",
+        file=sys.stderr,
     )
     return 0
 

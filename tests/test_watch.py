@@ -77,7 +77,7 @@ def watch_once(runner: Runner, images: list[Path], inbox: Path, out: Path, rule:
 def test_unsure_images_are_queued_for_review_by_the_rule(runner, images, tmp_path):
     out = tmp_path / "all"
     counts = watch_once(runner, images[:6], tmp_path / "inbox", out, ReviewRule(margin=1.0, min_confidence=0.0))
-    assert counts == {"done": 6, "failed": 0, "review": 6}  # margin 1: every score qualifies
+    assert counts == {"done": 6, "failed": 0, "review": 6, "skipped": 0}  # margin 1: every score qualifies
     queue = [json.loads(line) for line in (out / "review/queue.jsonl").read_text().splitlines()]
     assert len(queue) == 6 and all("of the threshold" in q["reasons"][0] for q in queue)
     for q in queue:  # laid out as class folders, ready for `defect ingest review/`
