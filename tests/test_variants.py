@@ -75,7 +75,7 @@ def test_each_calibration_method_gives_a_working_int8_model(exported_project, tm
     import dataclasses
 
     from pipeline.config import params_from_dict
-    from pipeline.export.variants import calibration_images, make_int8
+    from pipeline.export.variants import calibration_images, make_int8, write_card
 
     cfg = params_from_dict(tiny_params()).export
     cfg = dataclasses.replace(cfg, int8=dataclasses.replace(cfg.int8, calibration_method=method))
@@ -83,7 +83,7 @@ def test_each_calibration_method_gives_a_working_int8_model(exported_project, tm
     out = tmp_path / "model.int8.onnx"
     make_int8(export_dir(exported_project) / "model.onnx", out, calibration_images(x_train, 16, 0), cfg)
     card = ModelCard.read(card_path_for(export_dir(exported_project) / "model.int8.onnx"))
-    dataclasses.replace(card, sha256=sha256_file(out)).write(card_path_for(out))
+    write_card(card, out)  # embedded and beside it: a sidecar alone would not match the graph's card
     probs, score = Runner(out, providers="cpu", force=True).predict(x_train[:4])
     assert probs.shape == (4, len(card.classes)) and np.isfinite(score).all()
 
