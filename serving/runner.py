@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import logging
-import os
 import time
 from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass
@@ -463,30 +461,12 @@ def open_runner(source: str, card: str | None = None, tracking_uri: str | None =
     return Runner(src.model_path, src.card_path, version=src.version, **options)
 
 
-def expand_inputs(inputs: Iterable[str]) -> list[Path]:
-    """Files, folders (recursively) and globs -> a sorted list of files."""
-    files: list[Path] = []
-    for item in inputs:
-        p = Path(item)
-        if p.is_dir():
-            files += sorted(f for f in p.rglob("*") if f.is_file())
-        elif p.is_file():
-            files.append(p)
-        else:
-            matches = sorted(Path(m) for m in glob.glob(item, recursive=True) if os.path.isfile(m))
-            if not matches:
-                raise RunnerError(f"{item}: no such file, folder or matching glob")
-            files += matches
-    return files
-
-
 __all__ = [
     "Budget",
     "CardError",
     "Prediction",
     "Runner",
     "RunnerError",
-    "expand_inputs",
     "open_runner",
     "resolve_providers",
 ]
