@@ -8,13 +8,21 @@ bytes, its length in the ``Inference-Header-Content-Length`` header, each binary
 ``parameters.binary_data_size``. Outputs are returned as binary when asked (``binary_data`` on a
 requested output, or ``binary_data_output`` on the request).
 
+Parsing limits: JSON nested deeper than the parser's recursion limit is a 400 (never a RecursionError),
+shape arithmetic is exact (Python integers: a product that would overflow int64 is compared, not wrapped),
+and a declared shape is checked against the body's size and the caller's ``check_shape`` (the server's
+per-request budget) before any array is allocated.
+
 Spec: https://kserve.github.io/website/docs/concepts/architecture/data-plane/v2-protocol
 """
 
 from __future__ import annotations
 
 import json
+import math
+import reprlib
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,12 +122,16 @@ def split_body(body: bytes, header_length: str | None) -> tuple[dict[str, Any], 
         header = json.loads(json_part)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ProtocolError(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ProtocolError(
+            "request body is JSON nested too deeply (an inference request needs a few levels)"
+        ) from None
     return _obj(header, "request body"), tail
 
 
 def _shape(raw: Any, where: str) -> tuple[int, ...]:
     if not isinstance(raw, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in raw):
-        raise ProtocolError(f"{where}.shape must be a list of integers, got {json.dumps(raw)[:80]}")
+        raise ProtocolError(f"{where}.shape must be a list of integers, got {reprlib.repr(raw)}")
     if any(d < 0 for d in raw):
         raise ProtocolError(f"{where}.shape must not have negative dimensions, got {raw}")
     return tuple(raw)
@@ -130,9 +142,9 @@ def _json_data(raw: Any, dtype: np.dtype, shape: tuple[int, ...], where: str) ->
         raise ProtocolError(f"{where}.data must be a list, got {type(raw).__name__}")
     try:
         arr = np.asarray(raw)
-    except ValueError:
-        raise ProtocolError(f"{where}.data is a ragged nested list") from None
-    count = int(np.prod(shape))
+    except (ValueError, OverflowError):  # ragged, or deeper than numpy's 64 dimensions
+        raise ProtocolError(f"{where}.data is a ragged or too deeply nested list") from None
+    count = math.prod(shape)
     if arr.size != count:
         raise ProtocolError(f"{where}.data has {arr.size} elements but shape {list(shape)} needs {count}")
     want = "b" if dtype.kind == "b" else "biuf"
@@ -146,14 +158,20 @@ def _json_data(raw: Any, dtype: np.dtype, shape: tuple[int, ...], where: str) ->
     return arr.astype(dtype).reshape(shape)
 
 
+ShapeCheck = Callable[[tuple[int, ...]], None]  # a declared (N, ...) shape -> None, or raise ProtocolError
+
+
 def parse_infer_request(
     header: dict[str, Any],
     tail: bytes,
     spec: TensorSpec,
     output_names: list[str],
     max_batch_size: int,
+    check_shape: ShapeCheck | None = None,
 ) -> InferRequest:
-    """Validate a v2 infer request for a model with one input ``spec``; return the input tensor."""
+    """Validate a v2 infer request for a model with one input ``spec``; return the input tensor.
+
+    ``check_shape`` sees the declared shape once it matches the spec, before the data is read."""
     request_id = header.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise ProtocolError(f"id must be a string, got {type(request_id).__name__}")
@@ -169,12 +187,14 @@ def parse_infer_request(
     if len(inputs) != 1:
         names = [i.get("name") if isinstance(i, dict) else i for i in inputs]
         raise ProtocolError(f"this model takes exactly one input {spec.name!r}, got {len(inputs)}: {names}")
-    tensor = _input_tensor(_obj(inputs[0], "inputs[0]"), tail, spec, max_batch_size)
+    tensor = _input_tensor(_obj(inputs[0], "inputs[0]"), tail, spec, max_batch_size, check_shape)
     outputs, binary = _requested_outputs(header, params, output_names)
     return InferRequest(request_id, tensor, outputs, binary, params)
 
 
-def _input_tensor(raw: dict[str, Any], tail: bytes, spec: TensorSpec, max_batch_size: int) -> np.ndarray:
+def _input_tensor(
+    raw: dict[str, Any], tail: bytes, spec: TensorSpec, max_batch_size: int, check_shape: ShapeCheck | None
+) -> np.ndarray:
     """The one input as an array of the spec's dtype, shape (N, ...) with 1 <= N <= ``max_batch_size``.
 
     Its data is either the JSON ``data`` list or, with ``parameters.binary_data_size``, the binary tail.
@@ -186,10 +206,12 @@ def _input_tensor(raw: dict[str, Any], tail: bytes, spec: TensorSpec, max_batch_
     if name != spec.name:
         raise ProtocolError(f"unknown input {name!r}: this model's input is {spec.name!r}")
     shape, dtype = _declared_shape(raw, spec, where, max_batch_size)
+    if check_shape is not None:
+        check_shape(shape)
     in_params = _obj(raw.get("parameters", {}), f"{where}.parameters")
     if "binary_data_size" in in_params:
         size = in_params["binary_data_size"]
-        need = int(np.prod(shape)) * dtype.itemsize
+        need = math.prod(shape) * dtype.itemsize
         if not isinstance(size, int) or isinstance(size, bool) or size != need:
             raise ProtocolError(f"{where}.parameters.binary_data_size is {size!r} but shape {list(shape)} needs {need}")
         if "data" in raw:
