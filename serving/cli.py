@@ -62,6 +62,32 @@ def _add_review_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--review-min-confidence", type=float, default=0.6, help="queue top probabilities below this")
 
 
+def _add_bounds_args(p: argparse.ArgumentParser) -> None:
+    """serve's per-request budget and limits (README, Bounds; serving.server.ServerConfig)."""
+    p.add_argument(
+        "--max-request-pixels",
+        type=int,
+        default=40_000_000,
+        help="declared pixels one request's images may have, checked before decoding; with a tile model also "
+        "the tiles of the largest square within it (default 40000000; README: Bounds)",
+    )
+    p.add_argument(
+        "--request-memory-mb",
+        type=float,
+        help="memory that decoding and parsing requests may hold at once (default: what one request of "
+        "--max-request-pixels needs, 16 bytes a pixel, plus 64 MB kept for small requests)",
+    )
+    p.add_argument(
+        "--max-request-seconds",
+        type=float,
+        default=30.0,
+        help="a request not answered by then gets 503 with Retry-After, 408 if its body is still arriving (30)",
+    )
+    p.add_argument("--max-header-kb", type=int, default=64, help="request line and headers, at most (default 64)")
+    p.add_argument("--max-headers", type=int, default=100, help="headers per request, at most (default 100)")
+    p.add_argument("--max-connections", type=int, default=128, help="concurrent connections (default 128)")
+
+
 def _runner(args: argparse.Namespace) -> Runner:
     return open_runner(
         args.model,
@@ -158,6 +184,11 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    # Until serve() installs its own handlers (before it loads the model), no signal may kill the process
+    # uncleanly: SIGHUP is ignored, SIGTERM and SIGINT exit 0 (nothing has started yet).
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: os._exit(0))
     # here, not at the top: starlette, uvicorn and prometheus-client add ~130 ms (measured) predict never uses
     from serving.server import ServerConfig, serve
 
@@ -185,6 +216,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_batch_size=args.max_batch_size,
         max_queue_delay_ms=args.max_queue_delay_ms,
         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+        max_request_pixels=args.max_request_pixels,
+        request_memory_bytes=None if args.request_memory_mb is None else int(args.request_memory_mb * 1024 * 1024),
+        max_request_seconds=args.max_request_seconds,
+        max_header_bytes=args.max_header_kb * 1024,
+        max_headers=args.max_headers,
+        max_connections=args.max_connections,
         token=token,
         review_dir=args.review_dir,
         review_rule=ReviewRule(args.review_margin, args.review_min_confidence),
@@ -241,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         "--max-queue-delay-ms", type=float, default=5.0, help="how long a request may wait for others (default 5)"
     )
     s.add_argument("--max-body-mb", type=float, default=16.0, help="largest request body accepted (default 16)")
+    _add_bounds_args(s)
     s.add_argument("--token-file", help="file holding the bearer token (else $DEFECT_RUNNER_TOKEN; none: open)")
     s.add_argument("--review-dir", help="copy unsure images sent to /classify here, as review/<class>/")
     _add_review_args(s)

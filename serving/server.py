@@ -16,6 +16,17 @@ Concurrent requests are batched (serving.batcher). Every malformed request gets 
 ``{"error": ...}`` naming what was wrong; the server keeps serving. With a token (``DEFECT_RUNNER_TOKEN``
 or ``--token-file``) every endpoint except health and metrics needs ``Authorization: Bearer <token>``.
 SIGTERM stops accepting connections, finishes the requests in flight, then exits.
+
+Bounds (README, *Bounds*): a request's declared image size is checked against the per-request budget
+(``Runner.budget``: pixels, and tiles for a tile model) from the image header before decoding, and a
+tensor's declared shape before allocating: over it, 413 naming the limit and the value. Decoding and JSON
+parsing reserve their measured peak memory in a pool first (``serving.limits``); a model with tiles runs
+large photographs one run of tiles at a time, taking turns with small requests (``serving.batcher``);
+each request has ``max_request_seconds``, after which it is answered 503 with Retry-After (its body not
+received by then: 408). uvicorn runs its h11 parser with a header size limit (httptools has none), the
+server refuses more than ``max_headers`` headers (431) and caps connections. Signal handlers are
+installed before the model loads: SIGTERM or SIGINT during loading exits 0 at once, SIGHUP queues one
+reload for when the server is ready. A client gone mid-body is a one-line 499 in the log and metrics.
 """
 
 from __future__ import annotations
@@ -24,8 +35,10 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import os
 import re
 import signal
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -39,15 +52,35 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException, MultiPartParser
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from serving import __version__
-from serving.batcher import Batcher
+from serving.batcher import Batcher, Overloaded
 from serving.card import ModelCard
-from serving.preprocess import DEFAULT_MAX_PIXELS, ImageDecodeError
+from serving.limits import (
+    LARGE_BODIES,
+    MB,
+    MIN_JSON_BYTES,
+    SMALL_BODY,
+    SMALL_RESERVE,
+    MemoryPool,
+    Slots,
+    json_containers,
+    json_parse_bytes,
+    max_json_bytes,
+)
+from serving.preprocess import (
+    DECODE_BYTES_PER_PIXEL,
+    DEFAULT_MAX_PIXELS,
+    ImageDecodeError,
+    ImageTooLarge,
+    decode_bytes_per_pixel,
+    probe_image,
+)
 from serving.prometheus import Metrics
 from serving.protocol import (
+    InferRequest,
     ProtocolError,
     TensorSpec,
     decompress,
@@ -56,7 +89,7 @@ from serving.protocol import (
     split_body,
 )
 from serving.review import ReviewQueue, ReviewRule
-from serving.runner import Runner, RunnerError, open_runner
+from serving.runner import TILE_CHUNK, Runner, RunnerError, open_runner
 
 log = logging.getLogger(__name__)
 
@@ -80,11 +113,23 @@ class ServerConfig:
     max_batch_size: int = 16
     max_queue_delay_ms: float = 5.0
     max_body_bytes: int = 16 * 1024 * 1024
-    max_image_pixels: int = DEFAULT_MAX_PIXELS
+    max_request_pixels: int = DEFAULT_MAX_PIXELS  # declared pixels of one request (its tile budget follows)
+    request_memory_bytes: int | None = None  # the pool decoding and parsing share (None: see pool_bytes)
+    max_request_seconds: float = 30.0  # then 503 + Retry-After (408 while its body is still arriving)
+    max_header_bytes: int = 64 * 1024  # request line + headers (h11's incomplete event size)
+    max_headers: int = 100  # more: 431
+    max_connections: int = 128  # concurrent connections (uvicorn's limit_concurrency; more: 503)
     token: str | None = None
     review_dir: str | None = None
     review_rule: ReviewRule = field(default_factory=ReviewRule)
     graceful_timeout_s: float = 30.0
+
+    def pool_bytes(self) -> int:
+        """The memory pool: what one request of ``max_request_pixels`` needs to decode, plus the reserve
+        that keeps small requests flowing beside it (unless ``request_memory_bytes`` says otherwise)."""
+        if self.request_memory_bytes is not None:
+            return self.request_memory_bytes
+        return self.max_request_pixels * DECODE_BYTES_PER_PIXEL + SMALL_RESERVE
 
 
 class ModelHolder:
@@ -111,10 +156,15 @@ class ModelHolder:
             warmup_batch_sizes=tuple(sorted({1, cfg.max_batch_size})),
         )
 
-    def infer(self, batch: np.ndarray) -> tuple[dict[str, np.ndarray], Runner]:
+    def infer(self, batch: np.ndarray):
+        """The model call as steps (``Runner.predict_steps``) for the batcher: (outputs by name, runner)."""
         runner = self.runner  # one reference for the whole call: a reload cannot change it midway
-        probs, score = runner.predict(batch)
+        probs, score = yield from runner.predict_steps(batch)
         return {"probs": probs, "defect_score": score}, runner
+
+    def cost(self, batch: np.ndarray) -> int:
+        """A request's work for the batcher's lanes: tiles for a model with tiles, else images."""
+        return self.runner.budget().cost(*batch.shape[:3])
 
     async def reload(self) -> tuple[str, str]:
         """Load the model source again (a new file, or wherever the registry alias points now)."""
@@ -200,30 +250,38 @@ def endpoint_of(path: str) -> str:
 
 
 class Guard:
-    """Pure ASGI middleware: bearer token check, request metrics, in-flight gauge."""
+    """Pure ASGI middleware: header count limit, bearer token check, request metrics, in-flight gauge."""
 
-    def __init__(self, app, metrics: Metrics, token: str | None) -> None:
-        self.app, self.metrics, self.token = app, metrics, token
+    def __init__(self, app, metrics: Metrics, token: str | None, max_headers: int = 100) -> None:
+        self.app, self.metrics, self.token, self.max_headers = app, metrics, token, max_headers
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path, started, status = scope["path"], time.perf_counter(), [500]
+        path, started, status = scope["path"], time.perf_counter(), [500, False]
 
         async def send_and_record(message) -> None:
             if message["type"] == "http.response.start":
-                status[0] = message["status"]
+                status[:] = [message["status"], True]
             await send(message)
 
         self.metrics.in_flight.inc()
         try:
-            if self.token and path not in OPEN_PATHS and not self._authorized(scope):
+            if len(scope["headers"]) > self.max_headers:
+                response = error(431, f"{len(scope['headers'])} headers exceed the limit of {self.max_headers}")
+                await response(scope, receive, send_and_record)
+            elif self.token and path not in OPEN_PATHS and not self._authorized(scope):
                 response = error(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>'")
                 response.headers["WWW-Authenticate"] = "Bearer"
                 await response(scope, receive, send_and_record)
             else:
                 await self.app(scope, receive, send_and_record)
+        except Exception:
+            # Starlette re-raises what its 500 handler (``unexpected``) already answered and logged: a
+            # second traceback from uvicorn would say nothing new.
+            if not status[1]:
+                raise
         finally:
             self.metrics.in_flight.dec()
             endpoint = endpoint_of(path)
@@ -238,21 +296,74 @@ class Guard:
         return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self.token.encode())
 
 
+class StartupSignals:
+    """Signal handlers from the first moment of ``serve``, before the model loads (a TensorRT engine build
+    can take minutes): SIGTERM or SIGINT while loading exits 0 at once with a log line; SIGHUP before the
+    server is ready queues one reload, run once it is (the lifespan). Once serving, uvicorn handles SIGINT
+    and SIGTERM (and re-raises them here after its graceful shutdown: then they do nothing)."""
+
+    def __init__(self) -> None:
+        self.serving = False
+        self.reload_queued = False
+
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, self.handle)
+
+    def handle(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        if signum == signal.SIGHUP:
+            if not self.reload_queued:
+                log.info("%s before the server is ready: one reload queued for when it is", name)
+            self.reload_queued = True
+        elif not self.serving:
+            log.info("%s while the model loads: exiting before serving", name)
+            os._exit(0)  # the loading thread may be inside onnxruntime for minutes: nothing to finish
+
+
+def load_model(cfg: ServerConfig) -> ModelHolder:
+    """``ModelHolder(cfg)`` in a thread, so the main thread stays free to run signal handlers meanwhile."""
+    result: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            result["holder"] = ModelHolder(cfg)
+        except BaseException as exc:  # noqa: BLE001 (re-raised in the main thread below)
+            result["error"] = exc
+
+    thread = threading.Thread(target=work, name="load-model", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.1)  # short waits: Python runs signal handlers between them
+    if "error" in result:
+        raise result["error"]
+    return result["holder"]
+
+
 class V2Endpoints:
     """The HTTP handlers, one method per route (as KServe's ``V2Endpoints``); routes in ``register_v2_endpoints``.
 
     Owns what the handlers share: the model holder, the batcher that groups concurrent requests into
-    one model call, the Prometheus metrics and, with ``cfg.review_dir``, the review queue.
+    one model call, the memory pool and body slots every request's heavy phases go through, the
+    Prometheus metrics and, with ``cfg.review_dir``, the review queue.
     """
 
-    def __init__(self, holder: ModelHolder, cfg: ServerConfig, metrics: Metrics) -> None:
-        self.holder, self.cfg, self.metrics = holder, cfg, metrics
+    def __init__(
+        self, holder: ModelHolder, cfg: ServerConfig, metrics: Metrics, signals: StartupSignals | None = None
+    ) -> None:
+        self.holder, self.cfg, self.metrics, self.signals = holder, cfg, metrics, signals
+        tiles = holder.runner.card.tiles is not None
         self.batcher = Batcher(
             holder.infer,
             cfg.max_batch_size,
             cfg.max_queue_delay_ms / 1000,
             on_batch=lambda n, _s: metrics.batch_size.observe(n),
+            cost=holder.cost,
+            max_batch_cost=TILE_CHUNK if tiles else cfg.max_batch_size,
         )
+        self.pool = MemoryPool(cfg.pool_bytes())
+        self.bodies = Slots(LARGE_BODIES)
+        self.parsing = asyncio.Semaphore(1)  # json.loads holds the GIL: one at a time loses nothing
         self.queue = ReviewQueue(Path(cfg.review_dir)) if cfg.review_dir else None
         self.publish_model()
         if self.queue:
@@ -264,19 +375,27 @@ class V2Endpoints:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app) -> AsyncIterator[None]:
-        """Start the batcher and the SIGHUP reload; at shutdown, finish the batches in hand."""
+        """Start the batcher and the SIGHUP reload (and one queued during loading); at shutdown, finish
+        the batches in hand."""
         self.batcher.start()
         loop = asyncio.get_running_loop()
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # not in the main thread
             loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(self.do_reload()))
+        if self.signals is not None:
+            self.signals.serving = True
+            if self.signals.reload_queued:
+                loop.create_task(self.do_reload())
         cfg, runner = self.cfg, self.holder.runner
         log.info(
-            "serving %s version %s on %s (max batch %d, queue delay %.1f ms)",
+            "serving %s version %s on %s (max batch %d, queue delay %.1f ms, request memory %d MB, %d px, %.0f s)",
             self.holder.name,
             runner.version,
             runner.providers,
             cfg.max_batch_size,
             cfg.max_queue_delay_ms,
+            self.pool.capacity // MB,
+            cfg.max_request_pixels,
+            cfg.max_request_seconds,
         )
         yield
         await self.batcher.stop()
@@ -292,8 +411,23 @@ class V2Endpoints:
             raise ProtocolError(f"model {name!r} has no version {version!r} (serving {runner.version!r})", 404)
         return runner
 
-    async def read_body(self, request: Request) -> bytes:
-        """The whole body, refused with 413 once it exceeds ``cfg.max_body_bytes``."""
+    def deadline(self) -> float:
+        return time.perf_counter() + self.cfg.max_request_seconds
+
+    async def reserve(self, hold: contextlib.AsyncExitStack, n: int, deadline: float, what: str) -> None:
+        """Hold ``n`` bytes of the memory pool until ``hold`` closes; 413 when the pool could never hold it."""
+        if not self.pool.fits_ever(n):
+            raise ProtocolError(
+                f"{what} needs {n / MB:.0f} MB, more than the {self.pool.limit_for(n) / MB:.0f} MB of request "
+                "memory a large request may use (serve --request-memory-mb)",
+                413,
+            )
+        await hold.enter_async_context(self.pool.hold(n, deadline, what))
+
+    async def read_body(self, request: Request, hold: contextlib.AsyncExitStack, deadline: float) -> bytes:
+        """The whole body, refused with 413 once it exceeds ``cfg.max_body_bytes``; a body over
+        ``SMALL_BODY`` waits for one of ``LARGE_BODIES`` slots, held until ``hold`` closes. A body not
+        received by the deadline is a 408."""
         limit = self.cfg.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None:
@@ -301,17 +435,29 @@ class V2Endpoints:
                 raise ProtocolError(f"header Content-Length must be a number, got {declared!r}")
             if int(declared) > limit:
                 raise ProtocolError(f"body of {declared} bytes exceeds the limit of {limit} bytes", 413)
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:  # chunked uploads have no Content-Length: count as they come
-                raise ProtocolError(f"body exceeds the limit of {limit} bytes", 413)
-            chunks.append(chunk)
+            if int(declared) > SMALL_BODY:
+                await hold.enter_async_context(self.bodies.hold(deadline, f"a body of {declared} bytes"))
+        chunks, size, slotted = [], 0, declared is not None and int(declared) > SMALL_BODY
+        try:
+            async with asyncio.timeout(max(deadline - time.perf_counter(), 0)):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:  # chunked uploads have no Content-Length: count as they come
+                        raise ProtocolError(f"body exceeds the limit of {limit} bytes", 413)
+                    if size > SMALL_BODY and not slotted:
+                        await hold.enter_async_context(self.bodies.hold(deadline, "a chunked body over 1 MB"))
+                        slotted = True
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise ProtocolError(
+                f"body not received within the request's {self.cfg.max_request_seconds:.0f} s ({size} bytes came)",
+                408,
+            ) from None
         return b"".join(chunks)
 
-    async def image_from(self, request: Request) -> tuple[bytes, str]:
+    async def image_from(self, request: Request, hold, deadline: float) -> tuple[bytes, str]:
         """The encoded image and its client-side filename: a raw image body or a multipart file field."""
-        body = await self.read_body(request)
+        body = await self.read_body(request, hold, deadline)
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if ctype == "multipart/form-data":
 
@@ -335,22 +481,90 @@ class V2Endpoints:
             )
         return body, request.query_params.get("filename", "")
 
-    async def decode(self, runner: Runner, data: bytes) -> tuple[np.ndarray, float]:
-        """Image bytes -> (H, W, C) uint8 pixels (the model input, or with tiles the full photograph), seconds."""
+    async def decode(self, runner: Runner, data: bytes, hold, deadline: float) -> tuple[np.ndarray, float]:
+        """Image bytes -> (H, W, C) uint8 pixels (the model input, or with tiles the full photograph), seconds.
+
+        The header's declared size is checked against the budget first (nothing decoded yet), then the
+        decode's measured peak memory is reserved in the pool, then the image is decoded."""
         t0 = time.perf_counter()
+        budget = runner.budget(self.cfg.max_request_pixels)
         try:
-            img = await run_in_threadpool(runner.load, data, self.cfg.max_image_pixels)
+            width, height, fmt = await run_in_threadpool(probe_image, data, budget.pixels)
+            budget.check_image(width, height)
         except ImageDecodeError as exc:
-            status = 413 if "exceeds the limit" in str(exc) else 400
-            raise ProtocolError(str(exc).replace("<bytes>", "image"), status) from None
+            raise image_error(exc) from None
+        need = width * height * decode_bytes_per_pixel(fmt)
+        await self.reserve(hold, need, deadline, f"decoding a {width}x{height} {fmt} image")
+        try:
+            img = await run_in_threadpool(runner.load, data, budget.pixels)
+        except ImageDecodeError as exc:
+            raise image_error(exc) from None
         decode_s = time.perf_counter() - t0
         self.metrics.phase.labels("decode").observe(decode_s)
         return img, decode_s
 
-    async def run_batch(self, submit, x: np.ndarray):
-        """Score ``x`` (N, ...) in the next batch; record its queue and inference time."""
+    async def parse(self, request: Request, runner: Runner, body: bytes, hold, deadline: float) -> InferRequest:
+        """A v2 infer body -> the request, its tensor checked against the budget before it is allocated.
+
+        Inflating and parsing run in a worker thread (one JSON parse at a time), each after reserving its
+        estimated peak memory in the pool, so a 16 MB body of nested lists waits its turn instead of
+        holding the event loop or many times its size in memory at once."""
+        cfg = self.cfg
+        encoding = request.headers.get("content-encoding")
+        if encoding and encoding != "identity":
+            await self.reserve(hold, cfg.max_body_bytes, deadline, f"inflating a {encoding} body")
+            body = await run_in_threadpool(decompress, body, encoding, cfg.max_body_bytes)
+        length = request.headers.get("inference-header-content-length")
+        json_part = body if length is None or not length.isdigit() else body[: int(length)]
+        self.check_json_size(runner, json_part)
+        await self.reserve(hold, json_parse_bytes(json_part), deadline, f"parsing a {len(json_part)} byte JSON body")
+        spec, check = input_spec(runner), self.shape_check(runner)
+
+        def work() -> InferRequest:
+            header, tail = split_body(body, length)
+            return parse_infer_request(header, tail, spec, OUTPUTS, cfg.max_batch_size, check)
+
+        async with self.parsing:
+            return await run_in_threadpool(work)
+
+    def check_json_size(self, runner: Runner, text: bytes) -> None:
+        """Refuse a JSON part longer, or nesting more lists, than this model's largest input takes as JSON
+        (``serving.limits``: parsing holds the GIL). With tiles (photographs of any size) the floor of
+        MIN_JSON_BYTES: large photographs come as binary tensor data or images."""
+        values, lists = 0, MIN_JSON_BYTES  # tiles: the byte cap alone bounds the lists
+        if runner.card.tiles is None:
+            size, _, channels = runner.input_shape
+            values = self.cfg.max_batch_size * size * size * channels
+            lists = self.cfg.max_batch_size * (size * size + size + 1) + 64  # (N, H, W, C) nested row by row
+        cap = max_json_bytes(values)
+        if len(text) > cap:
+            raise ProtocolError(
+                f"the JSON part of {len(text)} bytes exceeds the limit of {cap} bytes (this model's largest "
+                "tensor as JSON numbers): send tensor data with the binary extension (parameters.binary_data_size)",
+                413,
+            )
+        if (found := json_containers(text)) > lists:
+            raise ProtocolError(
+                f"the JSON part nests {found} lists and objects, more than the {lists} of this model's largest "
+                "tensor written row by row"
+            )
+
+    def shape_check(self, runner: Runner):
+        """The per-request budget as ``parse_infer_request``'s ``check_shape``: 413 over it."""
+        budget = runner.budget(self.cfg.max_request_pixels)
+
+        def check(shape: tuple[int, ...]) -> None:
+            try:
+                budget.check(shape[0], shape[1], shape[2], what="input")
+            except ImageTooLarge as exc:
+                raise ProtocolError(str(exc), 413) from None
+
+        return check
+
+    async def run_batch(self, submit, x: np.ndarray, deadline: float):
+        """Score ``x`` (N, ...) in the next batch (or, large, in turns); record its queue and inference time."""
         try:
-            res = await submit(x)
+            res = await submit(x, deadline)
         except ValueError as exc:  # a reload changed the input shape while the request waited
             raise ProtocolError(f"the model changed while the request waited ({exc}); send it again", 409) from None
         self.metrics.phase.labels("queue").observe(res.queue_s)
@@ -383,13 +597,12 @@ class V2Endpoints:
     # --- inference ---------------------------------------------------------------------------------
     async def infer(self, request: Request) -> Response:
         """v2 tensors in (JSON or the binary extension), probs and defect scores out in the same form."""
-        runner, cfg = self.runner_for(request), self.cfg
-        async with self.batcher.slot() as submit:
-            body = await self.read_body(request)
-            body = decompress(body, request.headers.get("content-encoding"), cfg.max_body_bytes)
-            header, tail = split_body(body, request.headers.get("inference-header-content-length"))
-            req = parse_infer_request(header, tail, input_spec(runner), OUTPUTS, cfg.max_batch_size)
-            res = await self.run_batch(submit, req.tensor)
+        runner, deadline = self.runner_for(request), self.deadline()
+        async with contextlib.AsyncExitStack() as hold, self.batcher.slot() as submit:
+            body = await self.read_body(request, hold, deadline)
+            req = await self.parse(request, runner, body, hold, deadline)
+            del body
+            res = await self.run_batch(submit, req.tensor, deadline)
         threshold = res.tag.card.threshold
         scores = res.outputs["defect_score"]
         self.metrics.images.labels("defect").inc(int((scores >= threshold).sum()))
@@ -405,13 +618,14 @@ class V2Endpoints:
 
     async def classify(self, request: Request) -> Response:
         """An encoded image in, the decision out; unsure images are copied to the review queue."""
-        runner = self.runner_for(request)
-        async with self.batcher.slot() as submit:
-            data, filename = await self.image_from(request)
+        runner, deadline = self.runner_for(request), self.deadline()
+        async with contextlib.AsyncExitStack() as hold, self.batcher.slot() as submit:
+            data, filename = await self.image_from(request, hold, deadline)
             if not data:
                 raise ProtocolError("empty image: the request carried no image bytes")
-            img, decode_s = await self.decode(runner, data)
-            res = await self.run_batch(submit, img[None])
+            img, decode_s = await self.decode(runner, data, hold, deadline)
+            res = await self.run_batch(submit, img[None], deadline)
+            del img
         used: Runner = res.tag
         p, score = res.outputs["probs"][0], float(res.outputs["defect_score"][0])
         label, decision = used.decide(p, score)
@@ -453,7 +667,8 @@ class V2Endpoints:
         name = request.path_params["name"]
         if name != self.holder.name:
             raise ProtocolError(f"unknown model {name!r}: this server serves {self.holder.name!r}", 404)
-        await self.read_body(request)  # accepted and ignored: the model source is the one the server started with
+        async with contextlib.AsyncExitStack() as hold:  # the body is accepted and ignored: the model source
+            await self.read_body(request, hold, self.deadline())  # is the one the server started with
         return await self.do_reload()
 
     async def do_reload(self) -> Response:
@@ -495,6 +710,26 @@ async def protocol_error(request: Request, exc: ProtocolError) -> Response:
     return error(exc.status, str(exc))
 
 
+def image_error(exc: ImageDecodeError) -> ProtocolError:
+    """An image the server cannot take: 413 over a limit, else 400, with the decoder's reason."""
+    return ProtocolError(str(exc).replace("<bytes>", "image"), 413 if isinstance(exc, ImageTooLarge) else 400)
+
+
+async def overloaded(request: Request, exc: Overloaded) -> Response:
+    """Out of time or memory for now: 503 with Retry-After, the client may send it again later."""
+    log.warning("503 on %s: %s", request.url.path, exc)
+    response = error(503, f"{exc}; retry after {exc.retry_after} s")
+    response.headers["Retry-After"] = str(exc.retry_after)
+    return response
+
+
+async def client_gone(request: Request, exc: ClientDisconnect) -> Response:
+    """The client closed the connection before its body arrived: its doing, one log line, code 499 in the
+    metrics (nginx's "client closed request"; nobody is left to read it)."""
+    log.info("client disconnected mid-body on %s %s", request.method, request.url.path)
+    return Response(status_code=499)
+
+
 async def http_error(request: Request, exc: HTTPException) -> Response:
     message = {404: f"no route {request.url.path!r}", 405: f"method {request.method} not allowed here"}
     return error(exc.status_code, message.get(exc.status_code, exc.detail))
@@ -505,22 +740,35 @@ async def unexpected(request: Request, exc: Exception) -> Response:
     return error(500, f"internal error ({type(exc).__name__}); the server logged the details")
 
 
-EXCEPTION_HANDLERS = {ProtocolError: protocol_error, HTTPException: http_error, Exception: unexpected}
+EXCEPTION_HANDLERS = {
+    ProtocolError: protocol_error,
+    Overloaded: overloaded,
+    ClientDisconnect: client_gone,
+    HTTPException: http_error,
+    Exception: unexpected,
+}
 
 
-def create_app(holder: ModelHolder, cfg: ServerConfig, metrics: Metrics | None = None) -> Guard:
-    """The ASGI app: the v2 endpoints, behind the bearer-token check and request metrics (``Guard``)."""
-    endpoints = V2Endpoints(holder, cfg, metrics or Metrics())
+def create_app(
+    holder: ModelHolder, cfg: ServerConfig, metrics: Metrics | None = None, signals: StartupSignals | None = None
+) -> Guard:
+    """The ASGI app: the v2 endpoints, behind the header limit, bearer-token check and request metrics."""
+    endpoints = V2Endpoints(holder, cfg, metrics or Metrics(), signals)
     app = Starlette(exception_handlers=EXCEPTION_HANDLERS, lifespan=endpoints.lifespan)
     register_v2_endpoints(app, endpoints)
     app.state.batcher, app.state.metrics, app.state.holder = endpoints.batcher, endpoints.metrics, holder
-    return Guard(app, endpoints.metrics, cfg.token)
+    return Guard(app, endpoints.metrics, cfg.token, cfg.max_headers)
 
 
 def serve(cfg: ServerConfig) -> None:
-    """Load and warm up the model, then serve until SIGINT/SIGTERM (finishing in-flight requests)."""
-    holder = ModelHolder(cfg)
-    app = create_app(holder, cfg)
+    """Load and warm up the model, then serve until SIGINT/SIGTERM (finishing in-flight requests).
+
+    The signal handlers come first (``StartupSignals``), so no moment of the load is unguarded."""
+    signals = StartupSignals()
+    signals.install()
+    log.info("loading %s (until ready: SIGTERM exits, SIGHUP queues a reload)", cfg.model)
+    holder = load_model(cfg)
+    app = create_app(holder, cfg, signals=signals)
     if cfg.host not in ("127.0.0.1", "localhost", "::1") and not cfg.token:
         log.warning("listening on %s without a bearer token: anyone who can reach the port can call it", cfg.host)
     config = uvicorn.Config(
@@ -531,12 +779,13 @@ def serve(cfg: ServerConfig) -> None:
         log_level="info",
         timeout_graceful_shutdown=int(cfg.graceful_timeout_s),
         lifespan="on",
+        http="h11",  # httptools (uvicorn's default when installed) has no header size limit
+        h11_max_incomplete_event_size=cfg.max_header_bytes,
+        limit_concurrency=cfg.max_connections,
     )
-    # uvicorn restores the signal handlers it found and re-raises the signal it caught once it has
-    # shut down gracefully; with Python's defaults that would kill the process (exit -15 / 143) after a
-    # clean shutdown. Handlers that do nothing make the re-raise harmless, so SIGTERM exits 0.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: None)
+    # uvicorn restores the signal handlers it found (``signals``'s) and re-raises the signal it caught once
+    # it has shut down gracefully; with Python's defaults that would kill the process (exit -15 / 143) after
+    # a clean shutdown. Once serving, ``signals`` does nothing with SIGTERM/SIGINT, so SIGTERM exits 0.
     uvicorn.Server(config).run()
 
 
