@@ -77,5 +77,5 @@ HEALTHCHECK --interval=30s --timeout=5s --start-period=120s --retries=3 \
 
 # sh only expands $MODEL, then exec replaces it with python (the runner gets the signals); "$@" is the
 # extra arguments given after the image name (CMD, empty by default).
-ENTRYPOINT ["/bin/sh", "-c", "exec python -m serving.cli serve --model \"$MODEL\" --host 0.0.0.0 --port 8080 \"$@\"", "defect-runner"]
+ENTRYPOINT ["/bin/sh", "-c", "exec python -m serving.launch serve --model \"$MODEL\" --host 0.0.0.0 --port 8080 \"$@\"", "defect-runner"]
 CMD []

@@ -90,7 +90,7 @@ def test_dockerfile_says_what_a_reviewer_checks():
     assert by_kw["EXPOSE"] == ["8080"]
     # Exec form, and the shell (there only to expand $MODEL) execs the runner so signals reach it.
     script = " ".join(json.loads(by_kw["ENTRYPOINT"][-1]))
-    assert "exec python -m serving.cli serve" in script and '"$MODEL"' in script
+    assert "exec python -m serving.launch serve" in script and '"$MODEL"' in script
 
     # The build context is serving/ alone: data/, models/, .venv ... never reach the daemon.
     ignore = [ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines()]

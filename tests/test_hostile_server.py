@@ -14,6 +14,7 @@ stays under ``NORMAL_P99_S`` while hostile requests run (README, *Bounds*).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import re
@@ -639,3 +640,31 @@ def test_sighup_while_the_model_loads_queues_one_reload(model):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
+
+
+def test_sighup_and_sigterm_in_the_first_instant_of_start_up_do_not_kill_uncleanly(model):
+    """`defect-runner` handles serve's signals from its first line (serving.launch), before the 0.5-1 s import
+    of the command line: a hangup then is ignored with a line, a SIGTERM exits 0."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "serving.launch", "serve", "--model", str(model), "--providers", "cpu"]
+    cmd += ["--port", str(port)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=venv_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        time.sleep(0.15)  # the interpreter is up, the command line's imports are not done
+        proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read().decode()[-2000:]
+            with contextlib.suppress(requests.RequestException):
+                if requests.get(f"http://127.0.0.1:{port}/v2/health/ready", timeout=1).status_code == 200:
+                    break
+            time.sleep(0.2)
+        else:
+            raise AssertionError("the server never became ready after an early SIGHUP")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=venv_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    time.sleep(0.15)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0, proc.stdout.read().decode()[-2000:]
