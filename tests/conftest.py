@@ -70,7 +70,7 @@ def venv_env() -> dict[str, str]:
 
 # Fixtures that run pipeline stages (a minute or more, once per session): a test using one is slow, and
 # `make test-fast` (-m "not slow") leaves it out.
-STAGE_FIXTURES = {"prepared_project", "exported_project"}
+STAGE_FIXTURES = {"prepared_project", "exported_project", "tiled"}
 
 
 def pytest_collection_modifyitems(config, items):

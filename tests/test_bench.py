@@ -7,7 +7,11 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT, venv_env
+
+pytestmark = pytest.mark.slow  # runs pipeline stages, servers or trainings: left out of `make test-fast`
 
 
 def test_bench_measures_runner_torch_http_and_loaders_side_by_side(exported_project, tmp_path):

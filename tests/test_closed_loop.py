@@ -23,6 +23,8 @@ from pipeline.registry.promote import decide
 from tests.conftest import copy_project, tiny_params, venv_env
 from tests.serving_helpers import Server
 
+pytestmark = pytest.mark.slow  # runs pipeline stages, servers or trainings: left out of `make test-fast`
+
 
 def sh(cwd: Path, *cmd: str) -> str:
     proc = subprocess.run(cmd, cwd=cwd, env=venv_env(), capture_output=True, text=True, timeout=900)

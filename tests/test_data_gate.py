@@ -168,6 +168,7 @@ def defect_ingest(workdir: Path, folder: Path, *args: str) -> subprocess.Complet
     )
 
 
+@pytest.mark.slow
 def test_a_new_batch_adds_only_new_sound_images_and_keeps_every_split(project_with_data, tmp_path_factory):
     work = project_with_data
     before = {r: s for s in ("train", "val", "test") for r in np.load(work / f"data/prepared/{s}.npz")["paths"]}

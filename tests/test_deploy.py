@@ -167,6 +167,7 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_serving_requirements_alone_run_the_runner(runner_python, serving_copy, exported_project, tmp_path):
     model = exported_project / "models" / "export" / "model.onnx"
     card = json.loads(model.with_name("model.card.json").read_text())

@@ -16,6 +16,8 @@ from pipeline.model import load_model, predict_logits
 from pipeline.runtime import resolve_runtime
 from tests.test_train import ckpt_dir, history, model_weights, params, run_train, same_weights
 
+pytestmark = pytest.mark.slow  # runs pipeline stages, servers or trainings: left out of `make test-fast`
+
 
 @pytest.fixture(scope="module", params=["ddp", "fsdp"])
 def two_process_run(request, prepared_project, tmp_path_factory) -> tuple[str, Path]:

@@ -504,6 +504,7 @@ def hostile_load(srv: Server, until: float) -> list[tuple[str, int]]:
         return [r for rs in pool.map(loop, ["photo", "strip", "json", "poison"]) for r in rs]
 
 
+@pytest.mark.slow
 def test_a_normal_requests_p99_stays_bounded_while_hostile_requests_run(server):
     normal = photo(400, 300, seed=5)  # 4 x 3 tiles: one small-lane batch
     assert classify(server, normal).status_code == 200
@@ -621,6 +622,7 @@ def test_sigterm_while_the_model_loads_exits_0_at_once(model):
     assert took < 2 and "Traceback" not in text
 
 
+@pytest.mark.slow
 def test_sighup_while_the_model_loads_queues_one_reload(model):
     proc, log, port = start_slow_loading(model)
     try:

@@ -170,6 +170,7 @@ def test_hub_weights_offline_fail_fast_with_advice():
     assert time.perf_counter() - t0 < 10
 
 
+@pytest.mark.slow
 def test_throughput_benchmark_runs_both_loops_side_by_side(tmp_path):
     out = tmp_path / "tt.json"
     proc = subprocess.run(

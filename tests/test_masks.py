@@ -212,6 +212,7 @@ def test_train_loss_is_the_class_loss_and_the_mask_loss_is_reported_beside_it():
     assert out["train_loss"] == pytest.approx(1.0) and out["train_mask_loss"] == pytest.approx(0.5)
 
 
+@pytest.mark.slow
 def test_training_with_masks_shows_the_mask_loss_and_saves_the_plain_network(prepared_project, tmp_path):
     shutil.copytree(prepared_project, tmp_path, dirs_exist_ok=True)
     p = tiny_params(**{"model.name": "test_efficientnet"})

@@ -22,7 +22,10 @@ from PIL import Image
 
 from tests.browser import SHOTS, browser_missing, chromium, dump_failure, mlflow_server, snapshot
 
-pytestmark = pytest.mark.skipif(browser_missing() is not None, reason=browser_missing() or "")
+pytestmark = [  # a browser against a live MLflow server: left out of `make test-fast`
+    pytest.mark.slow,
+    pytest.mark.skipif(browser_missing() is not None, reason=browser_missing() or ""),
+]
 
 # MLflow 3.17 opens an experiment in its GenAI views (usage overview, traces) whatever the experiment's
 # `mlflow.experimentKind` tag says: the sidebar's "GenAI | Model training" switch (remembered in the

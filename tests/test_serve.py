@@ -365,6 +365,7 @@ def test_fuzzed_requests_never_get_a_5xx(server, runner):
 # --- load ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_under_load_batches_form_nothing_is_lost_and_memory_stays_flat(server, runner, images):
     x = np.stack([runner.load(p) for p in images[:16]])
     want = runner.predict(x)[1]

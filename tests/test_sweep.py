@@ -25,6 +25,8 @@ from pipeline.sweep import (
 )
 from tests.conftest import ROOT, copy_project, load_default_params, tiny_params, venv_env
 
+pytestmark = pytest.mark.slow  # runs pipeline stages, servers or trainings: left out of `make test-fast`
+
 GAMMA_ONLY = [
     {"name": "Sequential", "p": 0.5, "transforms": [{"name": "RandomGamma", "gamma_limit": [70, 150], "p": 0.5}]}
 ]

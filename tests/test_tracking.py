@@ -24,6 +24,8 @@ from pipeline import tracking
 from pipeline.config import MlflowConfig, params_from_dict
 from tests.conftest import tiny_params
 
+pytestmark = pytest.mark.slow  # runs pipeline stages, servers or trainings: left out of `make test-fast`
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -20,6 +20,8 @@ import yaml
 
 from tests.conftest import ROOT, copy_project, tiny_params, venv_env
 
+pytestmark = pytest.mark.slow  # runs pipeline stages, servers or trainings: left out of `make test-fast`
+
 SCRIPT = ROOT / "scripts" / "tracking_server.sh"
 OFFLINE_STAGES = ["ingest", "validate", "prepare", "augment"]
 TRACKED_STAGES = ["train", "evaluate", "export"]
