@@ -1,0 +1,64 @@
+"""`make run` ends with a summary of a few lines: what trained, the test figures, the export, the registry."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from pipeline.summary import lines
+from tests.conftest import ROOT, venv_env
+
+
+def write(path, data):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data))
+
+
+def test_the_summary_says_what_the_run_achieved_in_a_few_short_lines(tmp_path):
+    reports = tmp_path / "reports"
+    write(reports / "train/recipe.json", {"members": [0], "tiles": True, "reason": "masks"})
+    write(reports / "train/metrics.json", {"train_images": 830, "device": "cpu", "precision": "bf16"})
+    write(
+        reports / "evaluate/metrics.json",
+        {
+            "test_images": 187,
+            "accuracy": 0.9305,
+            "roc_auc": 0.9801,
+            "threshold": 0.0676,
+            "defect_recall": 0.9783,
+            "false_alarm_rate": 0.4421,
+            "defect_recall_at_far_threshold": 0.9565,
+            "false_alarm_rate_at_far_threshold": 0.0421,
+        },
+    )
+    variants = {"fp32": {"deployable": True}, "int8": {"deployable": False}}
+    write(reports / "export/variants.json", {"recommended": {"cpu": "fp32"}, "variants": variants})
+    write(
+        reports / "promote/decision.json",
+        {
+            "model_name": "m",
+            "challenger": {"version": "3", "variant": "fp32"},
+            "promoted": True,
+            "champion_after": "3",
+            "reason": "first model",
+        },
+    )
+    text = "\n".join(lines(reports))
+    assert "tile model" in text and "830 images" in text
+    assert "97.8% of defects" in text and "44.2% of OK parts" in text and "95.7% of defects" in text
+    assert "fp32 deployable" in text and "int8" not in text.split("recommended")[0]
+    assert "version 3 (fp32) now champion" in text
+    assert len(lines(reports)) <= 8 and all(len(line) <= 160 for line in lines(reports))
+
+
+def test_before_any_stage_ran_it_says_so(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline.summary"],
+        cwd=tmp_path,
+        env=venv_env() | {"PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0 and "run `dvc repro`" in proc.stdout
