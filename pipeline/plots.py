@@ -51,6 +51,9 @@ def members_curves_plot(
     run; ``final`` values (the ensemble's own) are drawn as thick pale horizontal lines in the key's colour."""
     fig, ax = plt.subplots(figsize=(6, 3.5))
     styles = ["-", "--", ":", "-."]
+    values = [row[k] for h in histories for row in h for k in keys if k in row and np.isfinite(row[k])]
+    if values and min(values) > 0 and max(values) / min(values) > 20:
+        ax.set_yscale("log")  # one early spike (a val loss of 22 in epoch 1) would flatten every other epoch
     for i, k in enumerate(keys):
         if not all(history and k in history[0] for history in histories):
             continue  # a figure this run does not record (train_mask_loss without masks)

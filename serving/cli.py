@@ -2,7 +2,7 @@
 
 defect-runner predict --model models/export/model.onnx images/ more/*.png --out results.jsonl
 defect-runner watch --model models/export/model.onnx /line7/inbox --out /line7
-defect-runner serve --model models:/defect-classifier@champion --tracking-uri http://mlflow:5000
+defect-runner serve --model models:/defect-detection@champion --tracking-uri http://mlflow:5000
 """
 
 from __future__ import annotations
