@@ -1,9 +1,10 @@
-"""What a `dvc repro` achieved, in a few lines a person reads in seconds (`make run` ends with it).
+"""What a `dvc repro` achieved, in a few lines a person reads in seconds.
 
-    python -m pipeline.summary            # from the project root, after dvc repro
+    python -m pipeline.summary            # from the project root, after dvc repro (`make run` ends with it)
 
 Reads the stages' small JSON reports (``reports/``); a stage that has not run yet is said so, not guessed.
-``dvc metrics show`` still lists every figure.
+The promote stage, the last, writes the same lines to ``reports/summary.md`` and logs them to the model's
+MLflow run. ``dvc metrics show`` still lists every figure.
 """
 
 from __future__ import annotations
@@ -47,6 +48,15 @@ def lines(reports: Path = Path("reports")) -> list[str]:
         verdict = "now champion" if d["promoted"] else f"stays challenger (champion: version {d['champion_after']})"
         out.append(f"registry:  {d['model_name']} version {c['version']} ({c['variant']}) {verdict}: {d['reason']}")
     return out or ["no stage has written its report yet: run `dvc repro`"]
+
+
+def write(reports: Path = Path("reports")) -> Path:
+    """``reports/summary.md``: the lines, and where the detail is."""
+    path = reports / "summary.md"
+    body = "\n".join(f"    {line}" for line in lines(reports))
+    more = "Detail: `reports/<stage>/` (metrics JSON and plots), `dvc metrics show`, the MLflow run (`make ui`)."
+    path.write_text(f"# What this run achieved\n\n{body}\n\n{more}\n")
+    return path
 
 
 def main() -> int:

@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+from pipeline import summary, tracking
 from pipeline.entry import run_stage
 from pipeline.registry.promote import promote
 
@@ -16,6 +17,8 @@ def main(params):
         f"{c['false_alarm_rate']:.3f}, accuracy {c['accuracy']:.3f}{vs}; "
         f"{'now champion' if d['promoted'] else 'stays challenger'}: {d['reason']}"
     )
+    with tracking.resume_run(params.mlflow, Path("models/train/run.json"), stage="promote") as run:
+        run.log_artifacts(summary.write(Path("reports")), "summary")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 from pipeline.summary import lines
+from pipeline.summary import write as write_summary
 from tests.conftest import ROOT, venv_env
 
 
@@ -50,6 +51,8 @@ def test_the_summary_says_what_the_run_achieved_in_a_few_short_lines(tmp_path):
     assert "fp32 deployable" in text and "int8" not in text.split("recommended")[0]
     assert "version 3 (fp32) now champion" in text
     assert len(lines(reports)) <= 8 and all(len(line) <= 160 for line in lines(reports))
+    md = write_summary(reports).read_text()  # what the promote stage writes and logs to MLflow
+    assert md.startswith("# What this run achieved") and "97.8% of defects" in md and "dvc metrics show" in md
 
 
 def test_before_any_stage_ran_it_says_so(tmp_path):
