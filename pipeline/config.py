@@ -230,7 +230,7 @@ class PromoteConfig:
     provider: Literal["cuda", "cpu"]  # whose recommended export variant is registered (the line's runners)
     rules: list[PromoteRule]  # in order; the first rule that is not a tie decides
     promote_on_tie: Bool  # when every rule ties: move the champion to the newer model or keep it
-    max_false_alarm_rate: Float  # above this a model does not discriminate: never promoted, loses its title
+    refuse_false_alarm_rate: Float  # above this a model does not discriminate: never promoted, loses its title
 
 
 @section
@@ -455,8 +455,8 @@ def _output_problems(p: Params) -> list[str]:
         problems.append("promote.rules: at least one rule (e.g. {metric: defect_recall, better: higher, tolerance: 0})")
     if any(r.tolerance < 0 for r in p.promote.rules):
         problems.append("promote.rules: every tolerance must be >= 0")
-    if not 0 < p.promote.max_false_alarm_rate <= 1:
-        problems.append(f"promote.max_false_alarm_rate: must be in (0, 1], got {p.promote.max_false_alarm_rate}")
+    if not 0 < p.promote.refuse_false_alarm_rate <= 1:
+        problems.append(f"promote.refuse_false_alarm_rate: must be in (0, 1], got {p.promote.refuse_false_alarm_rate}")
     return problems
 
 

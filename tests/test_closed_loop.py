@@ -107,7 +107,7 @@ def test_the_loop_from_line_images_back_to_a_served_champion(project, tmp_path):
             d["champion_before"],
             params.promote.rules,
             params.promote.promote_on_tie,
-            params.promote.max_false_alarm_rate,
+            params.promote.refuse_false_alarm_rate,
         )
         assert d["promoted"] is expected
         champion = str(client.get_model_version_by_alias(name, "champion").version)

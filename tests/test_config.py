@@ -45,7 +45,7 @@ def test_the_shipped_params_load():
         (lambda p: p["promote"]["rules"][0].update(metric="f1"), "promote.rules[0].metric: expected one of"),
         (lambda p: p["promote"]["rules"][1].update(better="more"), "promote.rules[1].better: expected one of"),
         (lambda p: p["promote"].update(rules=[]), "promote.rules: at least one rule"),
-        (lambda p: p["promote"].update(max_false_alarm_rate=0.0), "promote.max_false_alarm_rate: must be in"),
+        (lambda p: p["promote"].update(refuse_false_alarm_rate=0.0), "promote.refuse_false_alarm_rate: must be in"),
         (lambda p: p["train"].pop("init_from"), "train.init_from: missing key"),
         (lambda p: p["train"].update(monitor="last", early_stopping_patience=3), "train.early_stopping_patience"),
         (lambda p: p["train"].update(focal_gamma=-2), "train.focal_gamma: must be >= 0 (0 = off), got -2"),

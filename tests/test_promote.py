@@ -34,12 +34,12 @@ def m(recall: float, far: float, acc: float) -> dict:
         (m(0.952, 0.10, 0.7), m(0.950, 0.20, 0.9), True, "false_alarm_rate better"),  # recall within tolerance
         (m(0.95, 0.203, 0.95), m(0.95, 0.200, 0.90), True, "accuracy better"),  # both within tolerance
         (m(0.95, 0.20, 0.90), m(0.95, 0.20, 0.90), False, "every rule tied"),  # a tie keeps the champion
-        (m(1.00, 1.00, 0.50), m(0.90, 0.10, 0.90), False, "above promote.max_false_alarm_rate"),  # flags everything
+        (m(1.00, 1.00, 0.50), m(0.90, 0.10, 0.90), False, "above promote.refuse_false_alarm_rate"),  # flags everything
         (m(0.80, 0.10, 0.80), m(1.00, 0.99, 0.50), True, "champion's false_alarm_rate"),
     ],
 )
 def test_rules_decide_in_order(new, old, promoted, why):
-    got, reason = decide(new, old, RULES, promote_on_tie=False, max_false_alarm_rate=0.95)
+    got, reason = decide(new, old, RULES, promote_on_tie=False, refuse_false_alarm_rate=0.95)
     assert got is promoted and why in reason, reason
 
 
@@ -106,7 +106,7 @@ def test_a_worse_model_stays_challenger_and_both_runs_record_it(registry_project
     run_stages_in(registry_project, params, ["train", "evaluate", "export", "promote"])
     d = decision(registry_project)
     assert d["challenger"]["false_alarm_rate"] == 1.0
-    assert not d["promoted"] and "max_false_alarm_rate" in d["reason"]
+    assert not d["promoted"] and "refuse_false_alarm_rate" in d["reason"]
     client = client_for(registry_project)
     name = params["promote"]["model_name"]
     assert str(client.get_model_version_by_alias(name, "champion").version) == "1"

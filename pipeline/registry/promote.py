@@ -65,14 +65,18 @@ def score_on_files(model_path: Path, root: Path, paths: list[str], truth: list[s
 
 
 def decide(
-    challenger: dict, champion: dict, rules: list[PromoteRule], promote_on_tie: bool, max_false_alarm_rate: float = 1.0
+    challenger: dict,
+    champion: dict,
+    rules: list[PromoteRule],
+    promote_on_tie: bool,
+    refuse_false_alarm_rate: float = 1.0,
 ) -> tuple[bool, str]:
     """(promote?, why): the false-alarm limit first, then the rules in order."""
-    new_far, old_far, limit = challenger["false_alarm_rate"], champion["false_alarm_rate"], max_false_alarm_rate
+    new_far, old_far, limit = challenger["false_alarm_rate"], champion["false_alarm_rate"], refuse_false_alarm_rate
     if new_far > limit:
-        return False, f"false_alarm_rate {new_far:.4f} above promote.max_false_alarm_rate {limit}"
+        return False, f"false_alarm_rate {new_far:.4f} above promote.refuse_false_alarm_rate {limit}"
     if old_far > limit:
-        return True, f"champion's false_alarm_rate {old_far:.4f} above promote.max_false_alarm_rate {limit}"
+        return True, f"champion's false_alarm_rate {old_far:.4f} above promote.refuse_false_alarm_rate {limit}"
     for rule in rules:
         new, old = challenger[rule.metric], champion[rule.metric]
         gain = (new - old) if rule.better == "higher" else (old - new)
@@ -144,7 +148,7 @@ def promote(params: Params, export_dir: Path, raw_images: Path, prepared: Path, 
         else:
             files = resolve(f"models:/{cfg.model_name}/{champ.version}", tracking_uri=client.tracking_uri, cache=CACHE)
             old = score_on_files(files.model_path, raw_images, paths, truth, ok_class)
-            promoted, why = decide(new, old, cfg.rules, cfg.promote_on_tie, cfg.max_false_alarm_rate)
+            promoted, why = decide(new, old, cfg.rules, cfg.promote_on_tie, cfg.refuse_false_alarm_rate)
         if promoted:
             client.set_registered_model_alias(cfg.model_name, "champion", version)
         decision = {
