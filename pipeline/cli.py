@@ -1,5 +1,7 @@
 """``defect``: the pipeline's command line for people (the stages themselves run through ``dvc repro``).
 
+defect check [--profile NAME] [-S k=v]  # params and the data folder checked, nothing run
+defect exp --profile NAME [-S k=v]       # a profile's recipe (profiles/NAME.yaml) as one `dvc exp run`
 defect ingest NEW_FOLDER [--name NAME]   # add a batch of newly labeled images, then `dvc repro`
 defect mlflow-flush                      # send what stages buffered while the tracking server was down
 defect sweep sweeps/LEVERS.yaml          # levers x seeds as DVC experiments (its queue); table in sweeps/ and MLflow
@@ -14,6 +16,7 @@ from pathlib import Path
 
 from pipeline.config import ConfigError, load_params
 from pipeline.data.batches import BATCHES_DIR, add_batch, dvc_track
+from pipeline.profiles import check_command, exp_command
 from pipeline.tracking import BUFFER_ROOT, flush_all
 
 
@@ -53,6 +56,14 @@ def main(argv: list[str] | None = None) -> int:
     ing.add_argument("--allow-new-class", action="store_true", help="accept class folders the dataset lacks")
     ing.add_argument("--no-dvc", action="store_true", help="do not `dvc add` the batch folder")
     ing.add_argument("--strict", action="store_true", help="exit 3 when any label conflict was found")
+    chk = sub.add_parser("check", help="check params and the data folder before anything runs")
+    exp = sub.add_parser("exp", help="run a profile's recipe (profiles/NAME.yaml) as one DVC experiment")
+    for p in (chk, exp):
+        p.add_argument("--profile", help="a recipe in profiles/, e.g. photographs (default: params.yaml alone)")
+        p.add_argument("-S", "--set", action="append", default=[], metavar="KEY=VALUE", help="a params change")
+    exp.add_argument("-n", "--name", help="the experiment's name (dvc exp run -n)")
+    exp.add_argument("--queue", action="store_true", help="queue it (dvc exp run --queue) instead of running it")
+    exp.add_argument("--dry-run", action="store_true", help="print the dvc command, run nothing")
     sub.add_parser("mlflow-flush", help="send MLflow calls buffered while the tracking server was unreachable")
     sw = sub.add_parser("sweep", help="measure levers (param changes) over seeds, paired, as queued DVC experiments")
     sw.add_argument("levers", type=Path, help="a levers file, e.g. sweeps/magnetic_tiles.yaml")
@@ -62,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "mlflow-flush":
         return flush_command(args)
     try:
+        if args.command == "check":
+            return check_command(args.profile, args.set)
+        if args.command == "exp":
+            return exp_command(args.profile, args.set, args.name, args.queue, args.dry_run)
         if args.command == "sweep":
             from pipeline.sweep import run_sweep  # its own module's imports (dvc, mlflow) only when sweeping
 

@@ -75,6 +75,7 @@ def section(cls: type[T]) -> type[T]:
 class SyntheticConfig:
     counts: dict[Str, Int]  # images per class; "ok" plus any of scratch, spot, crack
     image_size: Int  # side of the square images the generator writes
+    contrast: Float  # multiplies every defect's contrast (1: the faint ones at 3-4 texture std)
 
 
 @section
@@ -527,7 +528,12 @@ def load_params(path: str | Path = "params.yaml", stage: str | None = None) -> P
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    params = params_from_dict(raw or {}, str(path))
+    return checked_params(raw or {}, str(path), stage)
+
+
+def checked_params(raw: dict, source_file: str, stage: str | None = None) -> Params:
+    """``raw`` params checked like params.yaml, and the files they name checked for ``stage``."""
+    params = params_from_dict(raw, source_file)
     problems = _file_problems(params, stage)
     if problems:
         raise ConfigError("\n".join(problems))

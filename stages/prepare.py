@@ -18,10 +18,12 @@ def main(params):
     summary = prepare(
         manifest, IMAGES, classes, params.data.ok_class, params.data.channels, params.prepare, OUT, masks_dir=MASKS
     )
-    # None: the whole images alone (tiles.use off, no masks, or no tile covered by one)
-    summary["tiles"] = tile_data(params.tiles.use, OUT, IMAGES, MASKS, params.tiles.min_mask_pixels)
+    # None: the whole images alone (tiles.use off, no masks, one tile per photograph, or no tile covered by one)
+    summary["tiles"], summary["tiles_reason"] = tile_data(
+        params.tiles.use, OUT, IMAGES, MASKS, params.tiles.min_mask_pixels
+    )
     (OUT / "prepare.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"prepare: {summary['splits']}; tiles: {summary['tiles'] or 'none'}")
+    print(f"prepare: {summary['splits']}; {summary['tiles_reason']}")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,11 @@ def load_default_params() -> dict:
 def tiny_params(**overrides) -> dict:
     """The default params shrunk to seconds: 64 px, a few images per class, one epoch."""
     p = load_default_params()
-    p["data"]["synthetic"] = {"counts": {"ok": 24, "scratch": 12, "spot": 12, "crack": 12}, "image_size": 64}
+    p["data"]["synthetic"] = {
+        "counts": {"ok": 24, "scratch": 12, "spot": 12, "crack": 12},
+        "image_size": 64,
+        "contrast": 1.0,
+    }
     p["prepare"]["image_size"] = 64
     p["prepare"]["split"] = {"val": 0.2, "test": 0.2}
     p["validate"]["min_per_class"] = 2

@@ -17,7 +17,7 @@ import yaml
 from pipeline.config import ConfigError, params_from_dict
 from pipeline.data.masks import read_mask
 from pipeline.data.prepare import read_summary
-from pipeline.data.tiling import tile_labels
+from pipeline.data.tiling import tile_data, tile_labels
 from pipeline.evaluation.fusion import tile_view
 from pipeline.metrics import roc_auc, softmax
 from pipeline.model import load_model, load_tile_model, predict_logits
@@ -228,3 +228,17 @@ def test_tiles_are_cut_at_full_resolution_and_labeled_by_the_defect_mask():
     probs = np.array([[0.9, 0.1, 0.0], [0.3, 0.2, 0.5], [0.95, 0.05, 0.0], [0.6, 0.4, 0.0]], np.float32)
     out = image_probs(probs, np.array([0, 0, 1, 1]), 2, ok_index=0)
     assert np.array_equal(out, probs[[1, 3]])  # each image: its most suspicious tile's probabilities
+
+
+def test_auto_cuts_no_tiles_where_each_photograph_is_one_tile(prepared_project, tmp_path):
+    """Photographs the size of the model's input (the tiny project: 64 px at 64 px) have masks but one tile
+    each: a tile model would see what the whole-image model sees, at twice the training cost."""
+    prepared = shutil.copytree(prepared_project / "data/prepared", tmp_path / "prepared")
+    raw = prepared_project / "data/raw"
+    assert any((raw / "masks").rglob("*.png"))
+    cut, why = tile_data("auto", prepared, raw / "images", raw / "masks", 16)
+    assert (
+        cut is None and why == "tiles.use auto: the photographs are one tile each (the whole-image model sees them 1:1)"
+    )
+    assert not (prepared / "tiles").exists()
+    assert tile_data("off", prepared, raw / "images", raw / "masks", 16) == (None, "tiles.use off")

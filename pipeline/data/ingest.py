@@ -91,7 +91,8 @@ def ingest(cfg: DataConfig, out_dir: Path, batches_dir: Path = Path("batches")) 
     masks_dir.mkdir(parents=True)
     if cfg.source == "synthetic":
         records = synthetic.generate(
-            images_dir, masks_dir, cfg.synthetic.counts, cfg.synthetic.image_size, cfg.channels, cfg.seed
+            images_dir, masks_dir, cfg.synthetic.counts, cfg.synthetic.image_size, cfg.channels, cfg.seed,
+            contrast=cfg.synthetic.contrast,
         )
         counts: dict[str, int] = {}
         for r in records:

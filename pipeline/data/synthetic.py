@@ -14,7 +14,7 @@ slightly bent line, 25-80 % of the image long, mostly bright, fading along its l
 irregular ellipse of radius 4-18 %, darker or lighter, sometimes a dried ring, which also hides the grain
 beneath it; ``crack``, a dark jagged random walk (1.5-2 px, 20-60 % long) with 0-2 branches. Position,
 orientation and size are random, and all stay inside a 4 px margin. Contrast is in units of the texture std
-around the defect (the ``contrast`` of each record): 2.2-7, with about one defect in seven faint (2.2-3.2),
+around the defect (the ``contrast`` of each record): 3-8, with about one defect in seven faint (3-4),
 so a faint defect is faint relative to what surrounds it on every surface.
 
 Why it is hard but learnable: the harmless specks, grooves, uneven threads, clouds and lighting put the
@@ -238,7 +238,7 @@ _DEFECTS = {"scratch": _scratch, "spot": _spot, "crack": _crack}
 
 
 def _render(
-    rng: np.random.Generator, label: str, s: int, yy: Array, xx: Array
+    rng: np.random.Generator, label: str, s: int, yy: Array, xx: Array, scale: float = 1.0
 ) -> tuple[Array, Array, str, Array, float]:
     """One image as float luminance (about 0..1), its mask, texture family, tint and defect contrast."""
     family = TEXTURES[int(rng.integers(len(TEXTURES)))]
@@ -249,6 +249,7 @@ def _render(
     mask, contrast = np.zeros((s, s), bool), 0.0
     if label != "ok":
         profile, mask, sign, contrast, cover = _DEFECTS[label](rng, s, max(4.0, s / 32), yy, xx)
+        contrast *= scale
         # Contrast is in units of the texture std around the defect (mask bounding box plus 6 px).
         ys, xs = np.nonzero(mask) if mask.any() else (np.array([s // 2]), np.array([s // 2]))
         sl = np.s_[max(ys.min() - 6, 0) : ys.max() + 7, max(xs.min() - 6, 0) : xs.max() + 7]
@@ -285,6 +286,7 @@ def generate(
     channels: int,
     seed: int,
     progress: bool = True,
+    contrast: float = 1.0,
 ) -> list[dict]:
     """Write ``images_dir/<class>/<class>_<i:05d>.png`` and the mask ``masks_dir/<class>/<same name>``
     (uint8 L, 255 on the defect, all zero for ok) for every class in ``counts``; return one record per image:
@@ -309,7 +311,7 @@ def generate(
         ci, label, i = task
         # Own generator per image: image i of a class never depends on the other counts or on thread timing.
         rng = np.random.default_rng(np.random.SeedSequence([int(seed), ci, i]))
-        img, mask, family, tint, contrast = _render(rng, label, s, yy, xx)
+        img, mask, family, tint, defect_contrast = _render(rng, label, s, yy, xx, contrast)
         if channels == 3:
             img = img[..., None] * tint.astype(F32)[None, None, ::-1]  # cv2 writes BGR
         name = f"{label}_{i:05d}.png"
@@ -320,7 +322,7 @@ def generate(
             "label": label,
             "texture": family,
             "mask_area": float(mask.mean()),
-            "contrast": float(contrast),
+            "contrast": float(defect_contrast),
         }
 
     # PNG encoding, file creation and cv2 release the GIL, so a few threads overlap I/O with drawing;

@@ -18,19 +18,21 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
 from tqdm import tqdm
 
 from pipeline.data.masks import MASK_UNKNOWN, mask_path, read_mask
 from pipeline.data.prepare import read_summary
 from serving.preprocess import decode_image
-from serving.tiles import cut_tiles
+from serving.tiles import cut_tiles, tile_count
 
 log = logging.getLogger(__name__)
 KEYS = ("images", "labels", "paths", "groups")
 
 
-def tile_labels(mask: np.ndarray | None, label: int, ok_index: int, positions: list[tuple[int, int]], tile: int,
-                min_pixels: int) -> list[int | None]:
+def tile_labels(
+    mask: np.ndarray | None, label: int, ok_index: int, positions: list[tuple[int, int]], tile: int, min_pixels: int
+) -> list[int | None]:
     """The training label of each tile at ``positions``: ``label`` where ``mask`` (H, W bool) covers at least
     ``min_pixels`` of it, ``ok_index`` where it covers none, None (left out) in between; an OK image's tiles
     are all OK, a defect image without a mask has every tile left out."""
@@ -42,8 +44,17 @@ def tile_labels(mask: np.ndarray | None, label: int, ok_index: int, positions: l
     return [label if a >= min_pixels else ok_index if a == 0 else None for a in covered]
 
 
-def tile_split(split: dict, images_dir: Path, masks_dir: Path | None, tile: int, channels: int, ok_index: int,
-               min_pixels: int, transform=None, desc: str = "tiles") -> dict[str, np.ndarray]:
+def tile_split(
+    split: dict,
+    images_dir: Path,
+    masks_dir: Path | None,
+    tile: int,
+    channels: int,
+    ok_index: int,
+    min_pixels: int,
+    transform=None,
+    desc: str = "tiles",
+) -> dict[str, np.ndarray]:
     """Every tile of a split's photographs (``split``: paths, labels, groups): images, labels (the mask's; -1
     left out), parent (the photograph's index), paths (``<path>#x,y``) and groups (the photograph's).
     ``transform(image, mask) -> (image, mask)`` is applied before cutting (an experiment's rescale)."""
@@ -54,8 +65,10 @@ def tile_split(split: dict, images_dir: Path, masks_dir: Path | None, tile: int,
         image = decode_image(images_dir / rel, channels)
         mask = read_mask(masks_dir, rel) if masks_dir is not None and label != ok_index else None
         if mask is not None and mask.shape != image.shape[:2]:
-            raise ValueError(f"{mask_path(masks_dir, rel)}: mask is {mask.shape[1]}x{mask.shape[0]} px, its image "
-                             f"{image.shape[1]}x{image.shape[0]}; expected the same size")
+            raise ValueError(
+                f"{mask_path(masks_dir, rel)}: mask is {mask.shape[1]}x{mask.shape[0]} px, its image "
+                f"{image.shape[1]}x{image.shape[0]}; expected the same size"
+            )
         if transform is not None:
             image, mask = transform(image, mask)
         pieces = cut_tiles(image, tile)
@@ -67,8 +80,9 @@ def tile_split(split: dict, images_dir: Path, masks_dir: Path | None, tile: int,
             out["paths"].append(f"{rel}#{x},{y}")
             out["groups"].append(group)
     if not out["images"]:
-        return {k: np.zeros((0, tile, tile, channels), np.uint8) if k == "images" else np.array(v)
-                for k, v in out.items()}
+        return {
+            k: np.zeros((0, tile, tile, channels), np.uint8) if k == "images" else np.array(v) for k, v in out.items()
+        }
     return {k: np.array(v) for k, v in out.items()}
 
 
@@ -105,11 +119,15 @@ def prepare_tiles(prepared_dir: Path, images_dir: Path, masks_dir: Path, min_pix
     for name in ("train", "val"):
         with np.load(prepared_dir / f"{name}.npz") as z:
             split = {k: z[k] for k in ("paths", "labels", "groups")}
-        tiles[name] = tile_split(split, images_dir, masks_dir, tile, info["channels"], ok_index, min_pixels,
-                                 desc=f"tiles {name}")
+        tiles[name] = tile_split(
+            split, images_dir, masks_dir, tile, info["channels"], ok_index, min_pixels, desc=f"tiles {name}"
+        )
     tr = tiles["train"]["labels"]
-    counts = {"defect": int(((tr >= 0) & (tr != ok_index)).sum()), "ok": int((tr == ok_index).sum()),
-              "left_out": int((tr < 0).sum())}
+    counts = {
+        "defect": int(((tr >= 0) & (tr != ok_index)).sum()),
+        "ok": int((tr == ok_index).sum()),
+        "left_out": int((tr < 0).sum()),
+    }
     if not counts["defect"]:
         log.warning("%s: no training tile is covered by a defect mask (>= %d px): no tile model", masks_dir, min_pixels)
         return None
@@ -119,13 +137,36 @@ def prepare_tiles(prepared_dir: Path, images_dir: Path, masks_dir: Path, min_pix
     return {"tile": tile, "train_tiles": counts, "tiles_per_image": per_image}
 
 
-def tile_data(use: str, prepared_dir: Path, images_dir: Path, masks_dir: Path, min_pixels: int) -> dict | None:
+def tiles_per_photograph(prepared_dir: Path, images_dir: Path, sample: int = 64) -> float:
+    """The median number of tiles a training photograph is cut into, from the headers of up to ``sample``."""
+    info = read_summary(prepared_dir)
+    with np.load(prepared_dir / "train.npz") as z:
+        paths = list(z["paths"][:: max(1, len(z["paths"]) // sample)])
+    counts = []
+    for rel in paths:
+        with Image.open(images_dir / str(rel)) as im:
+            counts.append(tile_count(im.height, im.width, info["image_size"]))
+    return float(np.median(counts)) if counts else 0.0
+
+
+def tile_data(
+    use: str, prepared_dir: Path, images_dir: Path, masks_dir: Path, min_pixels: int
+) -> tuple[dict | None, str]:
     """The prepare stage's step for ``tiles.use``: auto cuts ``prepared_dir/tiles`` where the data has defect
-    masks (``prepare_tiles``); off, or no mask files, leaves no tile folder. None: the whole images alone."""
+    masks and the photographs are at least two tiles (``prepare_tiles``): (the tile data, or None for the
+    whole images alone, and why in words)."""
     shutil.rmtree(prepared_dir / "tiles", ignore_errors=True)
-    if use != "auto" or not masks_dir.is_dir() or not any(masks_dir.rglob("*.png")):
-        return None
-    return prepare_tiles(prepared_dir, images_dir, masks_dir, min_pixels)
+    if use != "auto":
+        return None, "tiles.use off"
+    if not masks_dir.is_dir() or not any(masks_dir.rglob("*.png")):
+        return None, "tiles.use auto: the data has no defect masks"
+    per_photo = tiles_per_photograph(prepared_dir, images_dir)
+    if per_photo < 2:
+        return None, "tiles.use auto: the photographs are one tile each (the whole-image model sees them 1:1)"
+    cut = prepare_tiles(prepared_dir, images_dir, masks_dir, min_pixels)
+    if cut is None:
+        return None, "tiles.use auto: no defect mask covers a training tile"
+    return cut, f"tiles.use auto: the data has defect masks ({cut['train_tiles']['defect']} defect training tiles)"
 
 
 def score_tiles(paths: list[str], images_dir: Path, tile: int, channels: int) -> tuple[np.ndarray, np.ndarray]:
