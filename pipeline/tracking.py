@@ -1,7 +1,11 @@
 """MLflow: one run per trained model. Train opens it; evaluate, export, benchmark and promote add to it.
 
-The run id travels in ``models/train/run.json`` (a DVC output of train), so a later stage that DVC
-re-runs logs into the run of the model it works on instead of creating an orphan run.
+The model's run is the one a person compares: params, lineage, the curves of its (first) network, the test
+figures and the artifacts. A model of several networks (ensemble members, a tile model) has each network's
+own run nested under it (tag ``mlflow.parentRunId``, what ``mlflow.start_run(nested=True)`` sets), named
+``member-<k>`` and ``tile-model``; the model's run is named by ``run_name``. The model's run id travels in
+``models/train/run.json`` (a DVC output of train), so a later stage that DVC re-runs logs into the run of
+the model it works on instead of creating an orphan run.
 
 Logging never kills a stage. Every call goes through a ``Run`` object; when the tracking server
 cannot be reached (mid-run, or already when a later stage resumes the run), the call is appended to
@@ -76,16 +80,77 @@ def experiment_id(client: MlflowClient, name: str) -> str:
     )
 
 
-def git_info() -> dict[str, str]:
-    def git(*args: str) -> str:
-        try:
-            return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10).stdout.strip()
-        except (OSError, subprocess.TimeoutExpired):
-            return ""
+def _git(*args: str) -> str:
+    """git's stdout as it printed it ("" outside a repository, or where git is missing or stuck)."""
+    try:
+        return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
 
-    commit = git("rev-parse", "HEAD")
-    dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
-    return {"git.commit": commit or "unknown", "git.dirty": str(dirty).lower()}
+
+def dvc_outputs(dvc_yaml: Path = Path("dvc.yaml")) -> set[str]:
+    """Every path that ``dvc.yaml`` declares as a stage's outs, metrics or plots (normalized, relative)."""
+    if not dvc_yaml.is_file():
+        return set()
+    stages = (yaml.safe_load(dvc_yaml.read_text()) or {}).get("stages") or {}
+    paths = set()
+    for body in stages.values():
+        for key in ("outs", "metrics", "plots"):
+            for entry in body.get(key) or []:
+                paths.add(os.path.normpath(entry if isinstance(entry, str) else next(iter(entry))))
+    return paths
+
+
+def changed_files() -> list[str]:
+    """Tracked files that differ from the commit (staged or not), relative to the current folder when
+    inside it; untracked files are left out (data, caches and scratch files are not the code)."""
+    prefix = _git("rev-parse", "--show-prefix").strip()
+    entries = iter(_git("status", "--porcelain=v1", "-z", "--untracked-files=no").split("\0"))
+    files = []
+    for entry in entries:
+        if len(entry) < 4:
+            continue
+        if "R" in entry[:2] or "C" in entry[:2]:
+            next(entries, None)  # a rename or copy: the old path follows; the new one is what the tree holds
+        path = entry[3:]
+        files.append(path[len(prefix) :] if prefix and path.startswith(prefix) else path)
+    return sorted(files)
+
+
+def git_info(dvc_yaml: Path = Path("dvc.yaml")) -> dict[str, str]:
+    """The commit, and whether the code differs from it. DVC rewrites its own files on every ``dvc repro``
+    (dvc.lock, the metrics and reports that dvc.yaml declares with ``cache: false``, the .gitignore files it
+    keeps), so those never make a run dirty. ``git.dirty``: a tracked file other than those and params.yaml
+    changed; ``git.params_dirty``: params.yaml differs from the commit (as it does under ``dvc exp run -S``);
+    ``git.dirty_files``: which files, params.yaml included."""
+    commit = _git("rev-parse", "HEAD").strip()
+    outputs = dvc_outputs(dvc_yaml)
+
+    def made_by_dvc(path: str) -> bool:
+        norm = os.path.normpath(path)
+        if norm == "dvc.lock" or Path(norm).name == ".gitignore":
+            return True
+        return any(norm == out or norm.startswith(out + os.sep) for out in outputs)
+
+    changed = [f for f in changed_files() if not made_by_dvc(f)] if commit else []
+    code = [f for f in changed if f != "params.yaml"]
+    tags = {
+        "git.commit": commit or "unknown",
+        "git.dirty": str(bool(code)).lower(),
+        "git.params_dirty": str("params.yaml" in changed).lower(),
+    }
+    if changed:
+        shown = ", ".join(changed[:20]) + (f" and {len(changed) - 20} more" if len(changed) > 20 else "")
+        tags["git.dirty_files"] = shown
+    return tags
+
+
+def run_name(label: str, image_px: int, data_fingerprint: str) -> str:
+    """``<when>-<label>-<px>px-<data>``: ``when`` is the DVC experiment's name under ``dvc exp run`` (dvc sets
+    DVC_EXP_NAME for the stages it runs, a random name when ``-n`` is not given), else the local time as
+    MMDD-HHMM. The part that tells runs apart comes first: the MLflow UI cuts long names at the end."""
+    when = os.environ.get("DVC_EXP_NAME") or time.strftime("%m%d-%H%M")
+    return f"{when}-{label}-{image_px}px-{data_fingerprint[:6]}"
 
 
 def lineage_tags(path: Path = Path("dvc.lock"), params_file: Path = Path("params.yaml")) -> dict[str, str]:

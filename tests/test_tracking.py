@@ -6,8 +6,10 @@ on the same port; the client side is the pipeline's own ``pipeline.tracking``.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -128,6 +130,7 @@ def test_training_survives_the_server_dying_mid_run(server, prepared_project, tm
     work = tmp_path / "work"
     shutil.copytree(prepared_project, work)
     monkeypatch.chdir(work)
+    monkeypatch.delenv("DVC_EXP_NAME", raising=False)
     p = tiny_params(**{"model.name": "test_efficientnet"})
     p["train"]["epochs"] = 4
     p["mlflow"]["tracking_uri"] = server.uri
@@ -159,4 +162,65 @@ def test_training_survives_the_server_dying_mid_run(server, prepared_project, tm
     artifacts = {a.path for a in client.list_artifacts(run_id, "train")}
     assert {"train/loss.png", "train/history.csv"} <= artifacts
     assert [a.path for a in client.list_artifacts(run_id, "model")] == ["model/model.pt"]
-    assert client.get_run(run_id).info.status == "FINISHED"
+    got = client.get_run(run_id)
+    assert got.info.status == "FINISHED"
+    # one network: the model's run itself, named by the time (no DVC experiment here), nothing nested under it
+    assert re.fullmatch(r"\d{4}-\d{4}-test_efficientnet-64px-[0-9a-f]{6}", got.info.run_name), got.info.run_name
+    assert got.data.tags["recipe"].startswith("model 4 epochs x ")
+    assert not client.search_runs([got.info.experiment_id], f"tags.`mlflow.parentRunId` = '{run_id}'")
+
+
+def test_an_ensemble_is_one_model_run_with_each_network_nested_under_it(
+    prepared_project, tmp_path, monkeypatch, capsys
+):
+    """train.ensemble 2: the model's run (named after the DVC experiment) holds the params, the first member's
+    curves by epoch, the recipe and model.pt; each member has its own run nested under it. The stage run
+    again (DVC re-running it, nothing to train) continues the same runs and adds no curve points."""
+    from pipeline.training.recipe import CURVE_METRICS, train
+
+    work = tmp_path / "work"
+    shutil.copytree(prepared_project, work)
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("DVC_EXP_NAME", "exp-nested")
+    p = tiny_params(**{"model.name": "test_efficientnet"})
+    p["train"].update(ensemble=2, epochs=2)
+    p["mlflow"]["tracking_uri"] = f"sqlite:///{work / 'mlflow.db'}"
+    params = params_from_dict(p)
+    train(params, Path("data/prepared"), Path("models/train"), Path("reports/train"), Path("reports"))
+    out = capsys.readouterr().out
+    assert re.search(r"train: member-0 2 epochs x \d+ images, member-1 2 epochs x \d+ images \(", out), out
+    assert re.search(r"train: member-0 epoch 1 at \d+ img/s: expected ~\d+ min", out), out
+
+    client = MlflowClient(p["mlflow"]["tracking_uri"])
+    parent_id = tracking.read_run_id(Path("models/train/run.json"))
+    parent = client.get_run(parent_id)
+    assert re.fullmatch(r"exp-nested-2xtest_efficientnet-64px-[0-9a-f]{6}", parent.info.run_name)
+    assert parent.data.tags["dvc.exp.name"] == "exp-nested" and "mlflow.parentRunId" not in parent.data.tags
+    assert parent.data.tags["recipe"].startswith("member-0 2 epochs x ")
+    assert parent.data.params["model.name"] == "test_efficientnet" and "data_accepted" in parent.data.metrics
+    assert parent.data.tags["git.dirty"] in ("true", "false") and "data.fingerprint" in parent.data.tags
+    recipe = json.loads(Path("reports/train/recipe.json").read_text())
+    assert [(r["name"], r["epochs"]) for r in recipe["runs"]] == [("member-0", 2), ("member-1", 2)]
+    assert recipe["expected_minutes"] is not None and recipe["images"] == 2 * sum(
+        r["images_per_epoch"] for r in recipe["runs"]
+    )
+
+    exp_id = parent.info.experiment_id
+    children = client.search_runs([exp_id], f"tags.`mlflow.parentRunId` = '{parent_id}'")
+    assert sorted(c.info.run_name for c in children) == ["member-0", "member-1"]
+    member0 = next(c for c in children if c.info.run_name == "member-0")
+    for key in CURVE_METRICS:  # the first member's curves, on the model's run too
+        mine = [(m.step, m.value) for m in client.get_metric_history(parent_id, key)]
+        assert mine == [(m.step, m.value) for m in client.get_metric_history(member0.info.run_id, key)], key
+        assert [s for s, _ in mine] == [1, 2], key
+    assert parent.data.tags["member_0.run_id"] == member0.info.run_id
+    assert member0.data.params["train.seed"] == str(p["train"]["seed"])
+    assert {a.path for a in client.list_artifacts(parent_id, "train")} >= {"train/recipe.json", "train/loss.png"}
+    assert [a.path for a in client.list_artifacts(parent_id, "model")] == ["model/model.pt"]
+    assert not client.list_artifacts(member0.info.run_id, "model")  # its network is in the model's file
+
+    runs_before = len(client.search_runs([exp_id]))
+    train(params, Path("data/prepared"), Path("models/train"), Path("reports/train"), Path("reports"))
+    assert tracking.read_run_id(Path("models/train/run.json")) == parent_id
+    assert len(client.search_runs([exp_id])) == runs_before
+    assert [m.step for m in client.get_metric_history(parent_id, "val_loss")] == [1, 2]

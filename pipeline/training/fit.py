@@ -15,10 +15,9 @@ import hashlib
 import json
 import logging
 import math
-import os
 import shutil
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -307,6 +306,7 @@ class Fit:
     meta: dict  # what the consolidated model file records beside the weights
     rt: Runtime
     d: Dist
+    on_epoch: Callable[[tracking.Run, dict], None] | None = None  # RunSpec.on_epoch
 
     def epoch(self, progress: EpochProgress, run: tracking.Run | None) -> None:
         cfg, state, d, steps = self.params.train, self.ckpt.state, self.d, self.data.steps
@@ -356,6 +356,8 @@ class Fit:
         if d.is_main:
             run.log_metrics({k: v for k, v in row.items() if k != "epoch"}, step=epoch + 1)
             log.info("epoch %d: %s", epoch + 1, ", ".join(f"{k}={v:.4g}" for k, v in row.items() if k != "epoch"))
+            if self.on_epoch is not None:
+                self.on_epoch(run, row)
         self.ckpt.save(EpochProgress())
 
     def validate(self, row: dict) -> tuple[bool, dict | None, list[float]]:
@@ -381,10 +383,12 @@ def fit(
     data_reports: Path | None,
     rt: Runtime,
     d: Dist,
+    spec: RunSpec | None = None,
 ) -> dict | None:
     """Train one model on ``prepared_dir`` into ``out_dir`` (model.pt, run.json, checkpoints/) and
     ``reports_dir`` (history, curves, metrics); rank 0 returns the summary, other ranks None.
-    ``data_reports``: the folder holding ``validate/`` and ``augment/`` reports, logged into the run."""
+    ``data_reports``: the folder holding ``validate/`` and ``augment/`` reports, logged into the model's run.
+    ``spec``: the MLflow run's name and place (default: the model's own run, named by ``tracking.run_name``)."""
     cfg = params.train
     data = TrainData.load(params, prepared_dir, rt, d)
     init = resolve_init(params)
@@ -402,12 +406,14 @@ def fit(
     )
     progress = ckpt.resume(cfg.on_mismatch)
     meta = model_meta(params, data.info, fingerprint, init)
-    job = Fit(params, data, model, optimizer, scheduler, ema, criterion, mask_criterion, ckpt, meta, rt, d)
+    spec = spec or RunSpec(tracking.run_name(params.model.name, data.info["image_size"], fingerprint))
+    job = Fit(
+        params, data, model, optimizer, scheduler, ema, criterion, mask_criterion, ckpt, meta, rt, d, spec.on_epoch
+    )
     tags = {"init_from": init.identity, "init_from.run_id": init.run_id} if init is not None else {}
     tags["augment.flips_and_turns"] = data.pose["flips_and_turns"]  # augment.orientation's decision
-    label = f"{data.info['image_size']}px"
     state = ckpt.state
-    run_ctx = open_train_run(params, state["run_id"], label, fingerprint, tags, data_reports) if d.is_main else None
+    run_ctx = open_train_run(params, state["run_id"], spec, fingerprint, tags, data_reports) if d.is_main else None
     with run_ctx or contextlib.nullcontext() as run:
         if d.is_main:
             state["run_id"] = run.run_id
@@ -428,7 +434,7 @@ def fit(
             progress = EpochProgress()
         if not d.is_main:
             return None
-        return finish(run, ckpt, cfg, out_dir, reports_dir, rt, len(data.y_tr), data.sampler.n)
+        return finish(run, ckpt, cfg, out_dir, reports_dir, rt, len(data.y_tr), data.sampler.n, not spec.parent_id)
 
 
 def model_meta(params: Params, info: dict, fingerprint: str, init: WarmStart | None) -> dict:
@@ -448,20 +454,51 @@ def model_meta(params: Params, info: dict, fingerprint: str, init: WarmStart | N
     }
 
 
+@dataclass(frozen=True)
+class RunSpec:
+    """Where ``fit`` logs in MLflow: its run's name; the model's run it nests under (``parent_id``; empty: the
+    run is the model's own, as for a single network); tags for it; and what rank 0 calls after each epoch's
+    figures are logged, with the run and the epoch's row (``pipeline.training.recipe``: the expected time)."""
+
+    name: str
+    parent_id: str = ""
+    tags: dict = field(default_factory=dict)
+    on_epoch: Callable[[tracking.Run, dict], None] | None = None
+
+
+def flat_params(params: Params) -> dict[str, Any]:
+    return {k: v for k, v in as_flat_dict(params).items() if k != "source_file"}
+
+
 @contextlib.contextmanager
 def open_train_run(
-    params: Params, run_id: str | None, label: str, fingerprint: str, tags: dict, data_reports: Path | None
+    params: Params, run_id: str | None, spec: RunSpec, fingerprint: str, tags: dict, data_reports: Path | None
 ) -> Iterator[tracking.Run]:
-    """The train stage's MLflow run, continued when ``run_id`` still exists: named
-    ``<model>-<label>-<fingerprint>`` (after the experiment's name under ``dvc exp run``, so runs tell
-    apart); a new run (also when the old one is gone) records what it was made from."""
-    name = f"{params.model.name}-{label}-{fingerprint[:8]}"
-    if os.environ.get("DVC_EXP_NAME"):
-        name = f"{os.environ['DVC_EXP_NAME']}-{name}"
-    tags = {**tracking.git_info(), **tracking.lineage_tags(), "data.fingerprint": fingerprint, "stage": "train", **tags}
+    """``fit``'s MLflow run, continued when ``run_id`` still exists. A child run (an ensemble member, the
+    tile model) records its own params beside its curves; the model's own run is ``open_model_run``'s.
+    Continuing a child under another model's run moves it there (its finished network is reused)."""
+    tags = {"train.fingerprint": fingerprint, "stage": "train", **spec.tags, **tags}
+    if not spec.parent_id:
+        with open_model_run(params, run_id, spec.name, tags, data_reports) as run:
+            yield run
+        return
+    with tracking.open_run(params.mlflow, run_id, spec.name, {**tags, "mlflow.parentRunId": spec.parent_id}) as run:
+        if run.new:
+            run.log_params(flat_params(params))
+        yield run
+
+
+@contextlib.contextmanager
+def open_model_run(
+    params: Params, run_id: str | None, name: str, tags: dict, data_reports: Path | None
+) -> Iterator[tracking.Run]:
+    """The model's MLflow run, continued when ``run_id`` still exists: what it was made from (git, dvc.lock,
+    params.yaml: ``tracking.git_info``, ``tracking.lineage_tags``) as tags; a new run also every param and
+    the data reports."""
+    tags = {**tracking.git_info(), **tracking.lineage_tags(), "stage": "train", **tags}
     with tracking.open_run(params.mlflow, run_id, name, tags) as run:
         if run.new:
-            run.log_params({k: v for k, v in as_flat_dict(params).items() if k != "source_file"})
+            run.log_params(flat_params(params))
             log_data_reports(run, data_reports)
         yield run
 
@@ -489,8 +526,10 @@ def finish(
     rt: Runtime,
     n_train: int,
     epoch_images: int,
+    log_model: bool = True,
 ) -> dict:
-    """Rank 0, after the last epoch: the best model to model.pt, run.json, history, curves, metrics."""
+    """Rank 0, after the last epoch: the best model to model.pt, run.json, history, curves, metrics. The model
+    file goes into the model's own run only (``log_model``): a child's network is in its model's file."""
     state, best_file = ckpt.state, ckpt.best_model()
     best = checkpoint.load(best_file)
     if best is None:
@@ -521,5 +560,6 @@ def finish(
     }
     (reports_dir / "metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
     run.log_artifacts(reports_dir, "train")
-    run.log_artifacts(out_dir / "model.pt", "model")  # what `train.init_from: champion` starts from
+    if log_model:
+        run.log_artifacts(out_dir / "model.pt", "model")  # what `train.init_from: champion` starts from
     return summary
