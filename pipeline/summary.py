@@ -4,7 +4,7 @@
 
 Reads the stages' small JSON reports (``reports/``); a stage that has not run yet is said so, not guessed.
 The promote stage, the last, writes the same lines to ``reports/summary.md`` and logs them to the model's
-MLflow run. ``dvc metrics show`` still lists every figure.
+MLflow run. ``dvc metrics show`` lists the headline figures; the detail is in ``reports/<stage>/``.
 """
 
 from __future__ import annotations
@@ -13,49 +13,99 @@ import json
 import sys
 from pathlib import Path
 
+import yaml
+
 
 def _read(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def lines(reports: Path = Path("reports")) -> list[str]:
-    out = []
+def _read_yaml(path: Path) -> dict:
+    return yaml.safe_load(path.read_text()) if path.is_file() else {}
+
+
+def training_seconds(t: dict) -> float | None:
+    """Training alone, without the stages before and after it, from the train stage's metrics.json; an
+    ensemble's is the sum of its members' (its own summary has no epoch count: members may differ)."""
+    if "members" in t:
+        parts = [training_seconds(m) for m in t["members"]]
+        return None if None in parts else round(sum(parts), 1)
+    if not t.get("train_img_s"):
+        return None
+    per_epoch = t.get("epoch_images", t["train_images"])
+    return round(t["epochs_run"] * per_epoch / t["train_img_s"], 1)
+
+
+def _data_line(prepared: dict | None, params: dict) -> str | None:
+    if not prepared:
+        return None
+    splits = {name: sum(counts.values()) for name, counts in prepared["splits"].items()}
+    defects = [c for c in prepared["classes"] if c != prepared["ok_class"]]
+    return (
+        f"data:      {params['data']['source']}: {sum(splits.values())} images, {prepared['ok_class']} + "
+        f"{len(defects)} defect classes ({', '.join(defects)}); "
+        + " / ".join(f"{n} {name}" for name, n in splits.items())
+    )
+
+
+def _model_line(recipe: dict | None, train: dict | None, params: dict) -> str | None:
+    if not train:
+        return None
+    members = len(train.get("members", [])) or 1
+    what = f"{params['model']['name']}, {params['prepare']['image_size']} px"
+    what += f", {members} models" if members > 1 else ""
+    what += " + a tile model" if recipe and recipe.get("tiles") else ""
+    seconds = training_seconds({k: v for k, v in train.items() if k != "tiles"} if "members" in train else train)
+    took = f", trained in {seconds / 60:.1f} min" if seconds else ""
+    return f"model:     {what}{took} ({train['device']}, {train['precision']}, {train['train_images']} images)"
+
+
+def _test_lines(ev: dict, params: dict) -> list[str]:
+    target = params["evaluate"]["target_defect_recall"]
+    return [
+        f"test:      {ev['test_images']} images: accuracy {ev['accuracy']:.3f}, "
+        f"defect-vs-OK ROC AUC {ev['roc_auc']:.3f}",
+        f"threshold: {ev['threshold']:.3f} (the card's), the highest that catches {target:.0%} of val defects "
+        "(evaluate.target_defect_recall)",
+        f"at it:     catches {ev['defect_recall']:.1%} of test defects, flags {ev['false_alarm_rate']:.1%} of OK parts",
+    ]
+
+
+def lines(reports: Path = Path("reports"), root: Path = Path()) -> list[str]:
+    params = _read_yaml(root / "params.yaml")
     recipe, train = _read(reports / "train/recipe.json"), _read(reports / "train/metrics.json")
-    if train:
-        what = "a tile model beside the whole-image model" if recipe and recipe["tiles"] else "whole images"
-        out.append(f"trained:   {what} on {train['train_images']} images ({train['device']}, {train['precision']})")
+    out = [_data_line(_read(root / "data/prepared/prepare.json"), params), _model_line(recipe, train, params)]
     ev = _read(reports / "evaluate/metrics.json")
     if ev:
-        auc = ev["roc_auc"]
-        out.append(
-            f"test:      {ev['test_images']} images, accuracy {ev['accuracy']:.3f}, defect-vs-OK ROC AUC {auc:.3f}"
-        )
-        out.append(
-            f"at the card's threshold {ev['threshold']:.3f}: catches {ev['defect_recall']:.1%} of defects, "
-            f"flags {ev['false_alarm_rate']:.1%} of OK parts"
-        )
-        out.append(
-            f"at the val-chosen low-false-alarm cut: catches {ev['defect_recall_at_far_threshold']:.1%} of defects, "
-            f"flags {ev['false_alarm_rate_at_far_threshold']:.1%} of OK parts"
-        )
+        out += _test_lines(ev, params)
     ex = _read(reports / "export/variants.json")
     if ex:
         ok = [v for v, r in ex["variants"].items() if r["deployable"]]
-        out.append(f"exported:  {', '.join(ok)} deployable; recommended {ex['recommended']}")
+        out.append(
+            f"exported:  {', '.join(ok) or 'no variant'} deployable; GPU boxes get {ex['recommended'].get('cuda')}"
+        )
     d = _read(reports / "promote/decision.json")
     if d:
         c = d["challenger"]
         verdict = "now champion" if d["promoted"] else f"stays challenger (champion: version {d['champion_after']})"
-        out.append(f"registry:  {d['model_name']} version {c['version']} ({c['variant']}) {verdict}: {d['reason']}")
-    return out or ["no stage has written its report yet: run `dvc repro`"]
+        out.append(f"registry:  {d['model_name']} version {c['version']} ({c['variant']}) {verdict}")
+        out.append(f"because:   {d['reason']}")
+    out = [line for line in out if line]
+    if not out:
+        return ["no stage has written its report yet: run `dvc repro`"]
+    return out + [
+        "reports:   reports/evaluate/ (review.png: the images to look at first), `dvc metrics show`, MLflow: `make ui`",
+        f"serve it:  defect-runner serve --model models:/{params['promote']['model_name']}@champion "
+        f"--tracking-uri {params['mlflow']['tracking_uri']}",
+        "your data: defect check -S data.source=DIR, then defect exp --profile photographs -S data.source=DIR",
+    ]
 
 
-def write(reports: Path = Path("reports")) -> Path:
+def write(reports: Path = Path("reports"), root: Path = Path()) -> Path:
     """``reports/summary.md``: the lines, and where the detail is."""
     path = reports / "summary.md"
-    body = "\n".join(f"    {line}" for line in lines(reports))
-    more = "Detail: `reports/<stage>/` (metrics JSON and plots), `dvc metrics show`, the MLflow run (`make ui`)."
-    path.write_text(f"# What this run achieved\n\n{body}\n\n{more}\n")
+    body = "\n".join(f"    {line}" for line in lines(reports, root))
+    path.write_text(f"# What this run achieved\n\n{body}\n")
     return path
 
 

@@ -67,6 +67,7 @@ from dvc.api import read as dvc_read
 from pipeline import tracking
 from pipeline.config import ConfigError, apply_changes, as_flat_dict, params_from_dict
 from pipeline.plots import plt
+from pipeline.summary import training_seconds
 
 SWEEPS_DIR = Path("sweeps")
 # The figures of one run: the goal's (recall at the val-chosen false-alarm threshold) first.
@@ -319,27 +320,14 @@ def read_result(e: Experiment | None, lever: str, seed: int) -> dict:
         row.update(state=e.state if e else "missing", log=e.log if e else None)
         return row
     row.update(experiment=e.name, rev=e.rev)
-    evaluation = e.metrics.get("reports/evaluate/metrics.json")
-    if evaluation:
+    if "reports/evaluate/headline.json" in e.metrics:  # the experiment ran evaluate: its detail files
+        evaluation = json.loads(dvc_read("reports/evaluate/metrics.json", rev=e.rev))
         row.update({short: evaluation.get(key) for short, key in EVALUATE_KEYS.items()})
         per_class = json.loads(dvc_read("reports/evaluate/per_class.json", rev=e.rev))
         row["per_class_recall"] = {c: round(v["recall"], 3) for c, v in per_class.items()}
-    if "reports/train/metrics.json" in e.metrics:
-        row["train_s"] = training_seconds(e.metrics["reports/train/metrics.json"])
+        row["train_s"] = training_seconds(json.loads(dvc_read("reports/train/metrics.json", rev=e.rev)))
         row["mlflow_run_id"] = json.loads(dvc_read("models/train/run.json", rev=e.rev))["run_id"]
     return row
-
-
-def training_seconds(t: dict) -> float | None:
-    """Training alone, without the stages before and after it, from the train stage's metrics.json; an
-    ensemble's is the sum of its members' (its own summary has no epoch count: members may differ)."""
-    if "members" in t:
-        parts = [training_seconds(m) for m in t["members"]]
-        return None if None in parts else round(sum(parts), 1)
-    if not t.get("train_img_s"):
-        return None
-    per_epoch = t.get("epoch_images", t["train_images"])
-    return round(t["epochs_run"] * per_epoch / t["train_img_s"], 1)
 
 
 def _mean(rows: list[dict], key: str) -> float:

@@ -10,14 +10,19 @@ from pipeline.evaluation.evaluate import log_to_mlflow
 from pipeline.evaluation.report import Inputs, evaluate_model
 
 OUT = Path("reports/evaluate")
+# What `dvc metrics show` and `dvc exp show` list (at the card's threshold); a 120-column terminal holds them
+HEADLINE = ("accuracy", "defect_recall", "false_alarm_rate")
 
 
 def main(params):
     metrics = evaluate_model(params.evaluate, params.train.device, Inputs(), OUT)
     (OUT / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    headline = {k: round(metrics[k], 4) for k in HEADLINE}  # what `dvc metrics show` lists
+    (OUT / "headline.json").write_text(json.dumps(headline, indent=2) + "\n")
     with tracking.resume_run(params.mlflow, Path("models/train/run.json"), stage="evaluate") as run:
         log_to_mlflow(run, metrics, OUT)
-    print(f"evaluate: {metrics}")
+    said = ", ".join(f"{k} {v}" for k, v in headline.items())
+    print(f"evaluate: {said} at the card's threshold {metrics['threshold']:.3f} (every figure: {OUT}/metrics.json)")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Stage promote: register the export, alias it challenger, and move champion only to a better model."""
 
+import json
 from pathlib import Path
 
 from pipeline import summary, tracking
@@ -17,6 +18,8 @@ def main(params):
         f"{c['false_alarm_rate']:.3f}, accuracy {c['accuracy']:.3f}{vs}; "
         f"{'now champion' if d['promoted'] else 'stays challenger'}: {d['reason']}"
     )
+    champion = bool(d["promoted"] or d["champion_after"] == c["version"])  # dvc metrics show:
+    Path("reports/promote/headline.json").write_text(json.dumps({"champion": champion}) + "\n")
     with tracking.resume_run(params.mlflow, Path("models/train/run.json"), stage="promote") as run:
         run.log_artifacts(summary.write(Path("reports")), "summary")
 

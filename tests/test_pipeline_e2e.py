@@ -79,13 +79,17 @@ def test_every_stage_wrote_its_outputs(repro: Path):
     assert (repro / "reports/benchmark/benchmark.png").exists()
 
 
-def test_metrics_show_lists_evaluation_and_benchmark(repro: Path):
-    out = dvc(repro, "metrics", "show", "--json").stdout
-    metrics = json.loads(out)
+def test_metrics_show_lists_the_headline_and_fits_a_terminal(repro: Path):
+    metrics = json.loads(dvc(repro, "metrics", "show", "--json").stdout)
     files = {f for ws in metrics.values() for f in ws["data"]}
-    assert {"reports/evaluate/metrics.json", "reports/benchmark/metrics.json"} <= files
-    evaluation = metrics[""]["data"]["reports/evaluate/metrics.json"]["data"]
-    assert 0 <= evaluation["accuracy"] <= 1 and 0 <= evaluation["threshold"] <= 1
+    assert files == {"reports/evaluate/headline.json", "reports/promote/headline.json"}
+    headline = metrics[""]["data"]["reports/evaluate/headline.json"]["data"]
+    detail = json.loads((repro / "reports/evaluate/metrics.json").read_text())
+    assert headline == {k: round(detail[k], 4) for k in headline}
+    assert set(headline) == {"accuracy", "defect_recall", "false_alarm_rate"}
+    assert metrics[""]["data"]["reports/promote/headline.json"]["data"] == {"champion": True}  # the first model
+    table = dvc(repro, "metrics", "show").stdout.splitlines()
+    assert len(table) <= 4 and max(map(len, table)) <= 120, table
 
 
 def test_dag_is_the_chain(repro: Path):
@@ -151,3 +155,37 @@ def test_promote_acts_on_the_registry_even_when_dvc_remembers_the_same_run(repro
     out = dvc(repro, "repro", "promote").stdout
     assert "Running stage 'promote'" in out and "run-cache" not in out, out
     assert str(client.get_model_version_by_alias("defect-detection", "champion").version) == champion
+
+
+def test_plots_show_renders_offline(repro: Path):
+    """Factory networks are often offline: every plot is an image the page embeds, no charting library."""
+    dvc(repro, "plots", "show", "-o", "plots_html")
+    html = (repro / "plots_html/index.html").read_text()
+    assert "<script" not in html and "http://" not in html and "https://" not in html
+    images = [line for line in html.splitlines() if "<img" in line]
+    assert len(images) >= 10, html[:2000]
+    assert any("loss.png" in line for line in images) and any("confusion_matrix.png" in line for line in images)
+
+
+def test_an_experiment_compares_in_a_120_column_table(repro: Path):
+    """The user's loop: change one param, `dvc exp run`, compare with `dvc exp show --only-changed`."""
+    git = {"cwd": repro, "check": True, "capture_output": True}
+    subprocess.run(["git", "add", "-A"], **git)
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "baseline"], **git)
+    dvc(repro, "exp", "run", "-n", "shorter", "-S", "train.epochs=2")
+
+    def exp_show(columns: int) -> list[str]:  # DVC fits its table to the terminal, folding columns from the right
+        env = venv_env() | {"COLUMNS": str(columns)}
+        cmd = [sys.executable, "-m", "dvc", "exp", "show", "--only-changed", "--no-pager"]
+        proc = subprocess.run(cmd, cwd=repro, env=env, capture_output=True, text=True, timeout=300, check=True)
+        return proc.stdout.splitlines()
+
+    def header(table: list[str]) -> list[str]:
+        return next(line for line in table if "Experiment" in line).split()
+
+    headline = {"accuracy", "defect_recall", "false_alarm_rate", "champion", "train.epochs"}
+    changed = headline & set(header(exp_show(1000)))  # the headline columns that differ between the rows
+    assert "train.epochs" in changed
+    table = exp_show(120)
+    assert max(map(len, table)) <= 120 and any("shorter" in line for line in table), "\n".join(table)
+    assert changed <= set(header(table)), "\n".join(table)  # each shown whole, not folded into "…"

@@ -19,7 +19,13 @@ def write(path, data):
 def test_the_summary_says_what_the_run_achieved_in_a_few_short_lines(tmp_path):
     reports = tmp_path / "reports"
     write(reports / "train/recipe.json", {"members": [0], "tiles": True, "reason": "masks"})
-    write(reports / "train/metrics.json", {"train_images": 830, "device": "cpu", "precision": "bf16"})
+    write(
+        reports / "train/metrics.json",
+        {"train_images": 830, "device": "cpu", "precision": "bf16", "epochs_run": 30, "train_img_s": 100.0},
+    )
+    (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    splits = {"train": {"ok": 400, "scratch": 430}, "val": {"ok": 90, "scratch": 90}, "test": {"ok": 95, "scratch": 92}}
+    write(tmp_path / "data/prepared/prepare.json", {"classes": ["ok", "scratch"], "ok_class": "ok", "splits": splits})
     write(
         reports / "evaluate/metrics.json",
         {
@@ -45,14 +51,18 @@ def test_the_summary_says_what_the_run_achieved_in_a_few_short_lines(tmp_path):
             "reason": "first model",
         },
     )
-    text = "\n".join(lines(reports))
-    assert "tile model" in text and "830 images" in text
-    assert "97.8% of defects" in text and "44.2% of OK parts" in text and "95.7% of defects" in text
-    assert "fp32 deployable" in text and "int8" not in text.split("recommended")[0]
-    assert "version 3 (fp32) now champion" in text
-    assert len(lines(reports)) <= 8 and all(len(line) <= 160 for line in lines(reports))
+    said = lines(reports, tmp_path)
+    text = "\n".join(said)
+    assert "1197 images, ok + 1 defect classes (scratch); 830 train / 180 val / 187 test" in text
+    assert "tile model" in text and "trained in 4.2 min" in text  # 30 epochs x 830 images at 100 img/s
+    assert "threshold: 0.068 (the card's), the highest that catches 98% of val defects" in text
+    assert "97.8% of test defects" in text and "44.2% of OK parts" in text
+    assert "fp32 deployable" in text and "int8" not in text.split("GPU boxes")[0]
+    assert "version 3 (fp32) now champion\nbecause:   first model" in text
+    assert "defect-runner serve --model models:/defect-detection@champion" in text
+    assert len(said) <= 12 and all(len(line) <= 120 for line in said)
     md = write_summary(reports).read_text()  # what the promote stage writes and logs to MLflow
-    assert md.startswith("# What this run achieved") and "97.8% of defects" in md and "dvc metrics show" in md
+    assert md.startswith("# What this run achieved") and "97.8% of test defects" in md and "dvc metrics show" in md
 
 
 def test_before_any_stage_ran_it_says_so(tmp_path):

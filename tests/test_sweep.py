@@ -56,7 +56,13 @@ def experiments(project: Path) -> dict[str, dict]:
             rev = entry["revs"][0]
             metrics = {path: m.get("data") for path, m in rev["data"]["metrics"].items()}
             params = yaml.safe_load(git(project, "show", f"{rev['rev']}:params.yaml"))
-            out[rev["name"]] = {"state": entry["executor"]["state"], "metrics": metrics, "params": params}
+            reports = {  # the detail the headline metrics files stand for, as the experiment's commit holds it
+                path: json.loads(git(project, "show", f"{rev['rev']}:{path}"))
+                for path in ("reports/train/metrics.json", "reports/evaluate/metrics.json")
+            }
+            out[rev["name"]] = {"state": entry["executor"]["state"], "metrics": metrics, "params": params} | {
+                "reports": reports
+            }
     return out
 
 
@@ -100,7 +106,10 @@ def test_each_lever_and_seed_is_a_dvc_experiment_that_ran_with_its_params(swept)
         assert e["params"]["train"]["seed"] == 3 and e["params"]["train"]["epochs"] == epochs
         assert e["params"]["augment"]["policy"] == policy
         # the lever reached the training: one epoch row each, in the experiment's own metrics
-        assert e["metrics"]["reports/train/metrics.json"]["epochs_run"] == epochs
+        assert e["reports"]["reports/train/metrics.json"]["epochs_run"] == epochs
+        assert e["metrics"]["reports/evaluate/headline.json"]["accuracy"] == round(
+            e["reports"]["reports/evaluate/metrics.json"]["accuracy"], 4
+        )
         # the copy DVC ran it in logged to the project's MLflow store, not to one deleted with the copy
         assert e["params"]["mlflow"]["tracking_uri"] == f"sqlite:///{project / 'mlflow.db'}"
 
@@ -114,8 +123,8 @@ def test_the_workspace_is_not_run_in_and_params_yaml_stays_as_it_was(swept):
 def test_the_table_pairs_each_lever_with_the_reference_from_the_experiments_figures(swept):
     project, _ = swept
     exps = experiments(project)
-    ref = exps["tiny-default-s3"]["metrics"]["reports/evaluate/metrics.json"]
-    two = exps["tiny-two-epochs-gamma-only-s3"]["metrics"]["reports/evaluate/metrics.json"]
+    ref = exps["tiny-default-s3"]["reports"]["reports/evaluate/metrics.json"]
+    two = exps["tiny-two-epochs-gamma-only-s3"]["reports"]["reports/evaluate/metrics.json"]
     rows = {r["experiment"]: r for r in json.loads((project / "sweeps/tiny/runs.json").read_text())}
     assert rows["tiny-two-epochs-gamma-only-s3"]["recall_at_far"] == two["defect_recall_at_far_threshold"]
     assert rows["tiny-two-epochs-gamma-only-s3"]["auc"] == two["roc_auc"]
