@@ -1,8 +1,15 @@
 """``defect-runner``: the edge runner's command line.
 
-defect-runner predict --model models/export/model.onnx images/ more/*.png --out results.jsonl
+After ``make run`` (``dvc repro``) in the project folder, the export stage has written
+models/export/model.onnx (fp32; model.fp16.onnx and model.int8.onnx beside it, each with its .card.json)
+and the promote stage has registered the model as defect-detection, alias champion, in sqlite:///mlflow.db:
+
+defect-runner predict --model models/export/model.onnx images/ more/*.png --out results.csv
 defect-runner watch --model models/export/model.onnx /line7/inbox --out /line7
-defect-runner serve --model models:/defect-detection@champion --tracking-uri http://mlflow:5000
+defect-runner serve --model models:/defect-detection@champion --tracking-uri sqlite:///mlflow.db
+
+Every scored row names its defect score, the card's threshold it was compared to, the decision, the most
+likely class and a reason (why the two disagree, when they do), and the model and its version.
 """
 
 from __future__ import annotations
@@ -36,9 +43,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         required=True,
-        help="the exported .onnx file, or a registry URI models:/NAME@ALIAS or models:/NAME/VERSION",
+        help="an exported .onnx file with its .card.json beside it (models/export/model.onnx, model.fp16.onnx, "
+        "model.int8.onnx), or a registry URI: models:/defect-detection@champion or models:/NAME/VERSION",
     )
-    p.add_argument("--tracking-uri", help="MLflow tracking URI for models:/ (default: $MLFLOW_TRACKING_URI)")
+    p.add_argument(
+        "--tracking-uri",
+        help="MLflow tracking URI for models:/ (default: $MLFLOW_TRACKING_URI; the pipeline's own store is "
+        "sqlite:///mlflow.db in the project folder)",
+    )
     p.add_argument("--card", help="model card JSON (default: <model>.card.json beside the model)")
     p.add_argument(
         "--providers",
@@ -126,7 +138,11 @@ def cmd_predict(args: argparse.Namespace) -> int:
                 "class",
                 *[f"p_{c}" for c in runner.card.classes],
                 "defect_score",
+                "threshold",
                 "decision",
+                "reason",
+                "model",
+                "model_version",
                 "latency_ms",
                 "error",
             ]
@@ -144,7 +160,11 @@ def cmd_predict(args: argparse.Namespace) -> int:
                     r.label or "",
                     *probs,
                     "" if r.defect_score is None else r.defect_score,
+                    "" if r.threshold is None else r.threshold,
                     r.decision or "",
+                    r.reason,
+                    r.model,
+                    r.model_version,
                     f"{r.latency_ms:.2f}",
                     r.error,
                 ]

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 def skipped(path: str | Path, reason: str, latency_ms: float = 0.0) -> Prediction:
     """The row of a file that was not scored: no class, no scores, the reason in ``error``."""
-    return Prediction(str(path), None, None, None, None, latency_ms, reason)
+    return Prediction(str(path), latency_ms=latency_ms, error=reason)
 
 
 def why_not_regular(path: Path) -> str:

@@ -6,7 +6,9 @@ on. Supported: JSON tensor data (flat or nested lists) and the binary tensor dat
 official clients (tritonclient) use by default: the JSON header is followed by raw little-endian tensor
 bytes, its length in the ``Inference-Header-Content-Length`` header, each binary input marked with
 ``parameters.binary_data_size``. Outputs are returned as binary when asked (``binary_data`` on a
-requested output, or ``binary_data_output`` on the request).
+requested output, or ``binary_data_output`` on the request); a string output is a BYTES tensor (JSON: a
+list of strings; binary: each element a 4-byte little-endian length and its UTF-8 bytes, as tritonclient
+reads it).
 
 Parsing limits: JSON nested deeper than the parser's recursion limit is a 400 (never a RecursionError),
 shape arithmetic is exact (Python integers: a product that would overflow int64 is compared, not wrapped),
@@ -21,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import reprlib
+import struct
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -276,23 +279,41 @@ def _requested_outputs(
 
 
 def infer_response(
-    model_name: str, model_version: str, request: InferRequest, results: dict[str, np.ndarray]
+    model_name: str,
+    model_version: str,
+    request: InferRequest,
+    results: dict[str, np.ndarray],
+    parameters: dict[str, str | float | int | bool] | None = None,
 ) -> tuple[bytes, int | None]:
-    """The response body, and the JSON header length when binary outputs follow it (else None)."""
+    """The response body, and the JSON header length when binary outputs follow it (else None).
+
+    ``results`` holds numeric arrays and string arrays (numpy ``str`` or object dtype: v2 BYTES);
+    ``parameters`` are the response's own (the spec allows scalar values only)."""
     outputs, blobs = [], []
     for name in request.outputs:
-        arr = np.ascontiguousarray(results[name])
-        entry: dict[str, Any] = {"name": name, "datatype": NUMPY_TO_V2[arr.dtype], "shape": list(arr.shape)}
+        arr = results[name]
+        strings = arr.dtype.kind in "OUS"
+        if strings:
+            items = [str(v).encode() for v in arr.reshape(-1)]
+            entry: dict[str, Any] = {"name": name, "datatype": "BYTES", "shape": list(arr.shape)}
+        else:
+            arr = np.ascontiguousarray(arr)
+            entry = {"name": name, "datatype": NUMPY_TO_V2[arr.dtype], "shape": list(arr.shape)}
         if name in request.binary_outputs:
-            blob = arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
+            if strings:
+                blob = b"".join(struct.pack("<I", len(b)) + b for b in items)
+            else:
+                blob = arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
             entry["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
         else:
-            entry["data"] = arr.reshape(-1).tolist()
+            entry["data"] = [b.decode() for b in items] if strings else arr.reshape(-1).tolist()
         outputs.append(entry)
     body: dict[str, Any] = {"model_name": model_name, "model_version": model_version, "outputs": outputs}
     if request.id is not None:
         body["id"] = request.id
+    if parameters:
+        body["parameters"] = parameters
     head = json.dumps(body).encode()
     if not blobs:
         return head, None

@@ -1,11 +1,12 @@
 """The review queue: images the model is unsure about, copied out for a person to label.
 
-An image goes to the queue when its defect score is within ``margin`` of the threshold or its top
+An image goes to the queue when its defect score is within ``margin`` of the card's threshold or its top
 class probability is below ``min_confidence``. It is copied (never moved) to ``<queue>/<predicted
-class>/`` and listed, with its scores and the reasons, in ``<queue>/queue.jsonl``. A person moves wrong
-ones into the right class folder and adds the folder as a new batch (``defect ingest <queue>``), so the
-next retraining learns from exactly the images the model found hard. The folder watcher and the HTTP
-server both feed it.
+class>/`` and listed in ``<queue>/queue.jsonl``: its result row as the runner wrote it (defect score, the
+card's threshold, decision, class, ``reason``, model and version), ``review`` (its path in the queue) and
+``review_reasons`` (why it was queued). A person moves wrong ones into the right class folder and adds the
+folder as a new batch (``defect ingest <queue>``), so the next retraining learns from exactly the images
+the model found hard. The folder watcher and the HTTP server both feed it.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class ReviewQueue:
                 shutil.copy2(image, target)
             rel = target.relative_to(self.root).as_posix()
             with open(self.root / "queue.jsonl", "a") as q:
-                q.write(json.dumps(row | {"review": rel, "reasons": reasons}) + "\n")
+                q.write(json.dumps(row | {"review": rel, "review_reasons": reasons}) + "\n")
             return target
 
     def count(self) -> int:

@@ -1,4 +1,20 @@
-"""Load an exported model with its card and score images: load -> verify -> warm up -> ready -> predict."""
+"""Load an exported model with its card and score images: load -> verify -> warm up -> ready -> predict.
+
+Every scored image's result (``Prediction``: the CLI's CSV and JSONL rows, the watcher's results and review
+queue lines; the server's /classify answer uses the same ``verdict``) names the one rule that decided it:
+
+- ``defect_score`` (1 - p(ok)) and ``threshold``, the model card's, the only one the runner uses:
+  ``decision`` is "defect" when ``defect_score >= threshold``, else "ok";
+- ``class``/``label``: the most likely class (argmax of the probabilities), which need not agree: with a
+  card threshold of 0.07, an image at p(ok) 0.69 is class "ok" with decision "defect";
+- ``reason``, on every scored row, e.g. ``defect score 0.310 >= the card's threshold 0.070 -> defect,
+  although the most likely class is ok``; the ``although ...`` clause appears exactly when the class and
+  the decision disagree. Numbers carry as many decimals as it takes to tell them apart;
+- ``model`` and ``model_version`` (the registry version, or the start of the model's sha256).
+
+A row that was not scored (an unreadable or skipped file) has no score, threshold or reason: ``error``
+says why.
+"""
 
 from __future__ import annotations
 
@@ -202,13 +218,39 @@ def resolve_providers(requested: str | list[str]) -> list[str]:
 
 @dataclass
 class Prediction:
+    """One file's result (see the module docstring); an unread file has only ``path``, ``latency_ms``, ``error``."""
+
     path: str
-    label: str | None  # predicted class, None when the image could not be read
-    probs: dict[str, float] | None
-    defect_score: float | None
-    decision: str | None  # "defect" or "ok"
-    latency_ms: float
+    label: str | None = None  # the most likely class, None when the image could not be read
+    probs: dict[str, float] | None = None
+    defect_score: float | None = None  # 1 - p(ok), in [0, 1]
+    threshold: float | None = None  # the model card's; defect_score >= threshold -> "defect"
+    decision: str | None = None  # "defect" or "ok"
+    reason: str = ""  # the comparison that decided, and why the class disagrees when it does
+    model: str = ""  # the card's registered model name
+    model_version: str = ""  # registry version, or the start of the model's sha256
+    latency_ms: float = 0.0
     error: str = ""
+
+
+def _pair(a: float, b: float) -> tuple[str, str]:
+    """``a`` and ``b`` with 3 decimals, or as many more as it takes to tell them apart (up to 12)."""
+    for digits in range(3, 13):
+        sa, sb = f"{a:.{digits}f}", f"{b:.{digits}f}"
+        if sa != sb or a == b:
+            break
+    return sa, sb
+
+
+def verdict(score: float, threshold: float, label: str, ok_class: str) -> tuple[str, str]:
+    """(decision, reason) of one image: "defect" when ``score >= threshold`` (the card's rule), and the
+    comparison in words, naming the most likely class ``label`` when it disagrees with the decision."""
+    s, t = _pair(score, threshold)
+    decision = "defect" if score >= threshold else "ok"
+    reason = f"defect score {s} {'>=' if decision == 'defect' else '<'} the card's threshold {t} -> {decision}"
+    if (decision == "ok") != (label == ok_class):
+        reason += f", although the most likely class is {label}"
+    return decision, reason
 
 
 def session_options(threads: int = 0, spin: bool = True) -> ort.SessionOptions:
@@ -403,9 +445,10 @@ class Runner:
             return decode_image(source, spec.channels, max_pixels, check_size=self.budget(max_pixels).check_image)
         return load_image(source, spec.size, spec.channels, spec.resize, max_pixels)
 
-    def decide(self, probs: np.ndarray, score: float) -> tuple[str, str]:
+    def decide(self, probs: np.ndarray, score: float) -> tuple[str, str, str]:
+        """(class, decision, reason) of one image's (K,) probabilities and defect score (``verdict``)."""
         label = self.card.classes[int(np.argmax(probs))]
-        return label, ("defect" if score >= self.card.threshold else "ok")
+        return label, *verdict(score, self.card.threshold, label, self.card.ok_class)
 
     def predict_files(self, paths: Iterable[str | Path], batch_size: int = 16) -> Iterator[Prediction]:
         """Score files in batches; a file that cannot be read yields an error row, never an exception.
@@ -419,13 +462,17 @@ class Runner:
             probs, scores = self.predict(np.stack([img for _, img, _ in pending]))
             infer_ms = (time.perf_counter() - t0) * 1000 / len(pending)
             for (path, _, decode_ms), p, s in zip(pending, probs, scores, strict=True):
-                label, decision = self.decide(p, float(s))
+                label, decision, reason = self.decide(p, float(s))
                 yield Prediction(
                     path,
                     label,
                     dict(zip(self.card.classes, map(float, p), strict=True)),
                     float(s),
+                    self.card.threshold,
                     decision,
+                    reason,
+                    self.card.name,
+                    self.version,
                     decode_ms + infer_ms,
                 )
             pending.clear()
@@ -435,7 +482,7 @@ class Runner:
             try:
                 img = self.load(path)
             except (ImageDecodeError, OSError) as exc:
-                yield Prediction(str(path), None, None, None, None, (time.perf_counter() - t0) * 1000, str(exc))
+                yield Prediction(str(path), latency_ms=(time.perf_counter() - t0) * 1000, error=str(exc))
                 continue
             if pending and img.shape != pending[0][1].shape:
                 yield from flush()
@@ -469,4 +516,5 @@ __all__ = [
     "RunnerError",
     "open_runner",
     "resolve_providers",
+    "verdict",
 ]

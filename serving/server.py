@@ -7,10 +7,18 @@ Lifecycle (as in KServe's model server): load -> verify the card -> warm up -> b
   GET  /v2                                   server metadata (name, version, extensions)
   GET  /v2/models/{name}[/versions/{v}]      model metadata: input/output tensors, classes, threshold
   GET  /v2/models/{name}[/versions/{v}]/ready
-  POST /v2/models/{name}[/versions/{v}]/infer     v2 tensors in (JSON or binary extension), probs out
+  POST /v2/models/{name}[/versions/{v}]/infer     v2 tensors in (JSON or binary extension); out: probs,
+                                             defect_score, class, decision, reason; threshold in parameters
   POST /v2/models/{name}/classify            an encoded image (raw body or multipart) -> the decision
   POST /v2/repository/models/{name}/load     hot reload: load the model source again (also: SIGHUP)
   GET  /metrics                              Prometheus
+
+Both scoring endpoints name the card's threshold and the rule that decided (``serving.runner.verdict``):
+/classify answers ``defect_score``, ``threshold``, ``decision``, ``class`` and ``reason`` (e.g. ``defect
+score 0.310 >= the card's threshold 0.070 -> defect, although the most likely class is ok``) with
+``model_name`` and ``model_version``; /infer returns the same per image as the tensors ``defect_score``,
+``class``, ``decision`` and ``reason`` (v2 BYTES), and the threshold, OK class and rule as the response's
+``parameters``.
 
 Concurrent requests are batched (serving.batcher). Every malformed request gets a 4xx with a JSON
 ``{"error": ...}`` naming what was wrong; the server keeps serving. With a token (``DEFECT_RUNNER_TOKEN``
@@ -89,11 +97,12 @@ from serving.protocol import (
     split_body,
 )
 from serving.review import ReviewQueue, ReviewRule
-from serving.runner import TILE_CHUNK, Runner, RunnerError, open_runner
+from serving.runner import TILE_CHUNK, Runner, RunnerError, open_runner, verdict
 
 log = logging.getLogger(__name__)
 
-OUTPUTS = ["probs", "defect_score"]
+OUTPUTS = ["probs", "defect_score", "class", "decision", "reason"]  # /infer's, in this order
+DECISION_RULE = "decision is defect when defect_score >= threshold (the model card's), else ok"
 OPEN_PATHS = ("/v2/health/live", "/v2/health/ready", "/metrics")
 
 
@@ -191,11 +200,15 @@ def model_metadata(runner: Runner) -> dict[str, Any]:
         "outputs": [
             {"name": "probs", "datatype": "FP32", "shape": [-1, k]},
             {"name": "defect_score", "datatype": "FP32", "shape": [-1]},
+            {"name": "class", "datatype": "BYTES", "shape": [-1]},
+            {"name": "decision", "datatype": "BYTES", "shape": [-1]},
+            {"name": "reason", "datatype": "BYTES", "shape": [-1]},
         ],
         "parameters": {
             "classes": card.classes,
             "ok_class": card.ok_class,
             "threshold": card.threshold,
+            "decision_rule": DECISION_RULE,
             "variant": card.variant,
             "architecture": card.architecture,
             "resize": card.input.resize,
@@ -596,18 +609,25 @@ class V2Endpoints:
 
     # --- inference ---------------------------------------------------------------------------------
     async def infer(self, request: Request) -> Response:
-        """v2 tensors in (JSON or the binary extension), probs and defect scores out in the same form."""
+        """v2 tensors in (JSON or the binary extension); out, in the same form, the model's probabilities and
+        defect scores with each image's class, decision and reason, and the card's threshold as a parameter."""
         runner, deadline = self.runner_for(request), self.deadline()
         async with contextlib.AsyncExitStack() as hold, self.batcher.slot() as submit:
             body = await self.read_body(request, hold, deadline)
             req = await self.parse(request, runner, body, hold, deadline)
             del body
             res = await self.run_batch(submit, req.tensor, deadline)
-        threshold = res.tag.card.threshold
-        scores = res.outputs["defect_score"]
-        self.metrics.images.labels("defect").inc(int((scores >= threshold).sum()))
-        self.metrics.images.labels("ok").inc(int((scores < threshold).sum()))
-        content, header_len = infer_response(self.holder.name, res.tag.version, req, res.outputs)
+        used: Runner = res.tag
+        card, probs, scores = used.card, res.outputs["probs"], res.outputs["defect_score"]
+        labels = [card.classes[i] for i in np.argmax(probs, axis=1)]
+        verdicts = [verdict(float(s), card.threshold, c, card.ok_class) for s, c in zip(scores, labels, strict=True)]
+        decisions = [d for d, _ in verdicts]
+        self.metrics.images.labels("defect").inc(decisions.count("defect"))
+        self.metrics.images.labels("ok").inc(decisions.count("ok"))
+        strings = {"class": labels, "decision": decisions, "reason": [r for _, r in verdicts]}
+        outputs = res.outputs | {k: np.array(v, dtype=object) for k, v in strings.items()}
+        parameters = {"threshold": card.threshold, "ok_class": card.ok_class, "decision_rule": DECISION_RULE}
+        content, header_len = infer_response(self.holder.name, used.version, req, outputs, parameters)
         if header_len is None:
             return Response(content, media_type="application/json")
         return Response(
@@ -628,7 +648,7 @@ class V2Endpoints:
             del img
         used: Runner = res.tag
         p, score = res.outputs["probs"][0], float(res.outputs["defect_score"][0])
-        label, decision = used.decide(p, score)
+        label, decision, reason = used.decide(p, score)
         probs = dict(zip(used.card.classes, map(float, p), strict=True))
         self.metrics.images.labels(decision).inc()
         reasons = self.cfg.review_rule.reasons(score, probs, used.card.threshold)
@@ -640,6 +660,7 @@ class V2Endpoints:
             "defect_score": score,
             "threshold": used.card.threshold,
             "decision": decision,
+            "reason": reason,
             "review_reasons": reasons,
             "timing_ms": {
                 "decode": round(decode_s * 1000, 3),
@@ -656,7 +677,7 @@ class V2Endpoints:
         """Copy the image to review/<class>/ under a unique timestamped name, with its result row."""
         stem = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:8]
         name = stem + image_suffix(data)
-        row = {k: result[k] for k in ("class", "probabilities", "defect_score", "decision", "model_version")}
+        row = {k: v for k, v in result.items() if k not in ("review_reasons", "timing_ms")}  # the queue adds its own
         row["filename"] = filename
         await run_in_threadpool(self.queue.add, data, name, result["class"], row, result["review_reasons"])
         self.metrics.review_queued.inc()

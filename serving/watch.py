@@ -2,11 +2,13 @@
 
 A file is scored once it is completely written: its size and modification time have not changed for
 ``settle`` seconds (a camera or a network copy writing it slowly is waited for). Each result is
-appended to a JSONL file (flushed line by line), then the image moves to ``done/`` or, when it cannot
-be read, to ``failed/`` with the reason in the results. Nothing is ever deleted. An image the model is
-unsure about (defect score within ``review_margin`` of the threshold, or top class probability below
-``review_min_confidence``) is also copied to ``review/<predicted class>/`` and listed in
-``review/queue.jsonl``: a person moves wrong ones to the right class folder and adds the folder with
+appended to a JSONL file (flushed line by line): the runner's row (``serving.runner``: defect score, the
+card's threshold, decision, class, ``reason``, model and version) with ``file`` and ``moved_to``. Then
+the image moves to ``done/`` or, when it cannot be read, to ``failed/`` with the reason in ``error``.
+Nothing is ever deleted. An image the model is unsure about (defect score within ``review_margin`` of the
+card's threshold, or top class probability below ``review_min_confidence``) is also copied to
+``review/<predicted class>/`` and listed in ``review/queue.jsonl`` (its result row and its
+``review_reasons``): a person moves wrong ones to the right class folder and adds the folder with
 ``defect ingest review/``, so the next retraining learns from exactly the images the model found hard.
 
 watchdog's file events wake the loop at once; a periodic rescan catches anything an event missed

@@ -76,6 +76,7 @@ def test_same_file_same_score_in_pytorch_onnx_and_runner_cli(model, exported_pro
     assert np.abs(cli_scores - torch_scores).max() < 1e-4
     decisions = ["defect" if s >= card.threshold else "ok" for s in torch_scores]
     assert [r["decision"] for r in rows] == decisions
+    assert all(r["threshold"] == card.threshold and "the card's threshold" in r["reason"] for r in rows)
 
 
 def test_a_bad_file_is_an_error_row_not_a_crash(model, tmp_path):

@@ -195,8 +195,12 @@ def test_http_classify_and_infer_take_full_photographs_and_bad_requests_get_4xx(
         x = photos(2, 50, 70, seed=8)
         r = infer(x)
         assert r.status_code == 200, r.text
-        got = {o["name"]: np.array(o["data"], np.float32) for o in r.json()["outputs"]}
-        np.testing.assert_allclose(got["defect_score"], runner.predict(x)[1], atol=1e-6)
+        got = {o["name"]: o["data"] for o in r.json()["outputs"]}
+        want_scores = runner.predict(x)[1]
+        np.testing.assert_allclose(np.array(got["defect_score"], np.float32), want_scores, atol=1e-6)
+        assert r.json()["parameters"]["threshold"] == 0.5  # the card's, beside the fused scores it decided
+        assert got["decision"] == ["defect" if s >= 0.5 else "ok" for s in want_scores]
+        assert all("the card's threshold 0.500" in reason for reason in got["reason"])
         for resp, status, word in [
             (infer(photos(1, 20, 20)[..., :1]), 400, "does not match"),  # one channel for an RGB model
             (infer(np.zeros((1, 0, 20, 3), np.uint8)), 400, "empty dimension"),

@@ -87,8 +87,9 @@ def test_official_kserve_v2_client_gets_metadata_readiness_and_the_runners_score
     assert not client.is_model_ready("no-such-model", headers=auth())
     meta = client.get_model_metadata(name, headers=auth())
     assert meta["inputs"] == [{"name": runner.input_name, "datatype": "UINT8", "shape": [-1, *runner.input_shape]}]
-    assert [o["name"] for o in meta["outputs"]] == ["probs", "defect_score"]
+    assert [o["name"] for o in meta["outputs"]] == ["probs", "defect_score", "class", "decision", "reason"]
     assert meta["parameters"]["classes"] == runner.card.classes and meta["versions"] == [runner.version]
+    assert meta["parameters"]["threshold"] == runner.card.threshold
     assert "binary_tensor_data" in client.get_server_metadata(headers=auth())["extensions"]
 
     x = np.stack([runner.load(p) for p in images[:5]])
@@ -101,6 +102,7 @@ def test_official_kserve_v2_client_gets_metadata_readiness_and_the_runners_score
         np.testing.assert_allclose(res.as_numpy("probs"), want_probs, atol=1e-6)
         np.testing.assert_allclose(res.as_numpy("defect_score"), want_score, atol=1e-6)
         assert res.get_response()["id"] == f"r-{binary}"
+        assert res.get_response()["parameters"]["threshold"] == runner.card.threshold
     # gzip-compressed request body, the version in the URL, no outputs named (all come back, binary)
     inp = triton.InferInput(runner.input_name, list(x.shape), "UINT8")
     inp.set_data_from_numpy(x)
@@ -124,11 +126,13 @@ def test_image_endpoint_gives_the_cli_decision_and_queues_unsure_images(server, 
         (want,) = runner.predict_files([img])
         assert body["class"] == want.label and body["decision"] == want.decision
         assert body["defect_score"] == pytest.approx(want.defect_score, abs=1e-6)
+        assert body["threshold"] == want.threshold == runner.card.threshold and body["reason"] == want.reason
         assert set(body["timing_ms"]) == {"decode", "queue", "inference", "batch_size"}
         assert body["review_reasons"]  # --review-margin 1.0: every image is unsure
     queue = [json.loads(line) for line in (server.review / "queue.jsonl").read_text().splitlines()]
     assert len(queue) >= 4 and all((server.review / q["review"]).is_file() for q in queue)
     assert (server.review / queue[-1]["review"]).parent.name == queue[-1]["class"]
+    assert all(q["threshold"] == runner.card.threshold and q["reason"] and q["review_reasons"] for q in queue)
     assert server.metric("defect_runner_review_queued_total") == before + 4
     assert server.metric("defect_runner_phase_seconds_count", phase="decode") >= 4
     assert (

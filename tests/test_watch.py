@@ -79,7 +79,8 @@ def test_unsure_images_are_queued_for_review_by_the_rule(runner, images, tmp_pat
     counts = watch_once(runner, images[:6], tmp_path / "inbox", out, ReviewRule(margin=1.0, min_confidence=0.0))
     assert counts == {"done": 6, "failed": 0, "review": 6, "skipped": 0}  # margin 1: every score qualifies
     queue = [json.loads(line) for line in (out / "review/queue.jsonl").read_text().splitlines()]
-    assert len(queue) == 6 and all("of the threshold" in q["reasons"][0] for q in queue)
+    assert len(queue) == 6 and all("of the threshold" in q["review_reasons"][0] for q in queue)
+    assert all(q["threshold"] == runner.card.threshold and "the card's threshold" in q["reason"] for q in queue)
     for q in queue:  # laid out as class folders, ready for `defect ingest review/`
         assert (out / "review" / q["review"]).parent.name == q["label"]
 
