@@ -95,3 +95,26 @@ def test_the_part_that_tells_runs_apart_comes_first(monkeypatch):
     assert re.fullmatch(r"\d{4}-\d{4}-3xtf_efficientnetv2_b0\+tiles-128px-012345", name), name
     monkeypatch.setenv("DVC_EXP_NAME", "lr-low")  # dvc exp run sets it for every stage it runs
     assert tracking.run_name("resnet10t", 64, "abcdef0123") == "lr-low-resnet10t-64px-abcdef"
+
+
+def test_the_benchmark_gives_the_models_run_a_few_headline_figures():
+    """The whole report is one artifact; the run gets latency at the smallest batch, throughput at the largest."""
+    from pipeline.export.benchmark import flat_metrics
+
+    timing = {"p50_ms": 2.0, "img_s": 500.0, "vs_eager": 3.0}
+    contenders = {"runner fp32": timing, "runner int8": timing, "torch eager": timing, "torch.compile": timing}
+    report = {
+        "batch_1": contenders,
+        "batch_8": contenders,
+        "batch_32": contenders,
+        "end_to_end": {"fp32": {"png_img_s": 90.0, "jpeg_img_s": 100.0}},
+        "http": {"variant": "fp32", "infer_img_s": 80.0, "infer_p99_ms": 30.0, "infer_vs_in_process": 0.9, "x": 1},
+    }
+    flat = flat_metrics(report, [1, 8, 32])
+    assert sorted(flat) == sorted(
+        [f"bench_b1_{c}_p50_ms" for c in ("runner_fp32", "runner_int8", "torch_eager", "torch_compile")]
+        + [f"bench_b1_{c}_vs_eager" for c in ("runner_fp32", "runner_int8", "torch_compile")]
+        + [f"bench_b32_{c}_img_s" for c in ("runner_fp32", "runner_int8", "torch_eager", "torch_compile")]
+        + ["bench_e2e_fp32_jpeg_img_s", "bench_http_infer_img_s", "bench_http_infer_p99_ms"]
+        + ["bench_http_infer_vs_in_process"]
+    )
