@@ -96,7 +96,7 @@ def test_evaluate_counts_val_parts_once_when_it_knows_the_groups(tmp_path):
     assert by_part["defect_recall_at_far_threshold"] > by_image["defect_recall_at_far_threshold"]
 
 
-def test_review_sheet_lists_the_val_ok_images_that_set_the_cut_and_the_test_mistakes(tmp_path):
+def test_review_sheet_lists_the_val_images_that_set_the_cut_and_the_test_mistakes_at_the_cards_threshold(tmp_path):
     classes = ["crack", "ok"]
     rng = np.random.default_rng(0)
 
@@ -105,40 +105,66 @@ def test_review_sheet_lists_the_val_ok_images_that_set_the_cut_and_the_test_mist
         paths = [f"{classes[y]}/{name}{i}.png" for i, y in enumerate(labels)]
         return images, np.array(labels), paths, np.array(scores)
 
-    # val: ten OK images, one of which (0.95) outscores everything; test: a missed crack, a flagged OK image
-    val = split([0.1] * 9 + [0.95, 0.9], [1] * 10 + [0], "v")
+    # val: ten OK images, one of which (0.95) outscores everything, and two cracks; test: a missed crack,
+    # a flagged OK image
+    val = split([0.1] * 9 + [0.95, 0.9, 0.6], [1] * 10 + [0, 0], "v")
     test = split([0.2, 0.05, 0.97, 0.8, 0.3], [0, 1, 1, 0, 1], "t")
-    counts = review_sheet(val, test, classes, "ok", 0.5, tmp_path)
+    counts = review_sheet(val, test, classes, "ok", 0.5, tmp_path, target_recall=0.98)
 
     assert counts == {"review_missed_defects": 1, "review_flagged_ok": 1}
     with open(tmp_path / "review.csv") as f:
-        rows = [(r["split"], r["path"], r["label"], r["defect_score"]) for r in csv.DictReader(f)]
+        table = list(csv.DictReader(f))
+    rows = [(r["split"], r["path"], r["label"], r["defect_score"]) for r in table]
+    assert {(r["threshold"], r["decision"]) for r in table} == {("0.500000", "defect"), ("0.500000", "ok")}
+    assert all(r["decision"] == ("defect" if float(r["defect_score"]) >= 0.5 else "ok") for r in table)
     val_rows = [r for r in rows if r[0] == "val"]
-    assert val_rows[0] == ("val", "ok/v9.png", "ok", "0.950000")  # the suspicious OK image comes first
-    assert len(val_rows) == 8 and all(r[2] == "ok" for r in val_rows)  # the eight highest val OK images
-    assert "crack/v10.png" not in {r[1] for r in rows}  # the val defect (0.9) is not an OK label to check
+    # the val defects that set the card's threshold, lowest first, then the val OK images, highest first
+    assert val_rows[:2] == [
+        ("val", "crack/v11.png", "crack", "0.600000"),
+        ("val", "crack/v10.png", "crack", "0.900000"),
+    ]
+    assert val_rows[2] == ("val", "ok/v9.png", "ok", "0.950000")  # the suspicious OK image comes first
+    assert len(val_rows) == 10 and all(r[2] == "ok" for r in val_rows[2:])  # the eight highest val OK images
     # the missed defect, then the false alarm; caught defects and unflagged OK images stay out
     assert [r for r in rows if r[0] == "test"] == [
         ("test", "crack/t0.png", "crack", "0.200000"),
         ("test", "ok/t2.png", "ok", "0.970000"),
     ]
+    assert {r["row"] for r in table if r["split"] == "test"} == {
+        "test defects missed at the card's threshold",
+        "test OK images flagged at the card's threshold",
+    }
     assert Image.open(tmp_path / "review.png").size[0] > 400
 
 
-def test_review_sheet_shows_each_val_ok_part_once(tmp_path):
+def test_review_sheet_shows_each_val_part_once(tmp_path):
     classes = ["crack", "ok"]
-    images = np.zeros((10, 8, 8, 3), dtype=np.uint8)
-    paths = [f"ok/v{i}.png" for i in range(10)]
-    # one OK part shot six times scores highest; four other parts below it
-    scores = np.array([0.9, 0.91, 0.92, 0.93, 0.94, 0.95, 0.5, 0.4, 0.3, 0.2])
-    val = (images, np.ones(10, dtype=np.int64), paths, scores)
-    groups = np.array(["tile"] * 6 + ["a", "b", "c", "d"])
+    images = np.zeros((13, 8, 8, 3), dtype=np.uint8)
+    paths = [f"ok/v{i}.png" for i in range(10)] + [f"crack/v{i}.png" for i in range(10, 13)]
+    # one OK part shot six times scores highest; four other parts below it; one crack shot twice, one once
+    scores = np.array([0.9, 0.91, 0.92, 0.93, 0.94, 0.95, 0.5, 0.4, 0.3, 0.2, 0.7, 0.6, 0.8])
+    labels = np.array([1] * 10 + [0] * 3)
+    val = (images, labels, paths, scores)
+    groups = np.array(["tile"] * 6 + ["a", "b", "c", "d"] + ["crack", "crack", "e"])
     test = (images[:1], np.ones(1, dtype=np.int64), ["ok/t0.png"], np.array([0.1]))
     review_sheet(val, test, classes, "ok", 0.96, tmp_path, val_groups=groups)
 
     with open(tmp_path / "review.csv") as f:
         listed = [r["path"] for r in csv.DictReader(f)]
-    assert listed == ["ok/v5.png", "ok/v6.png", "ok/v7.png", "ok/v8.png", "ok/v9.png"]  # the tile once, by its top shot
+    assert listed[:2] == ["crack/v11.png", "crack/v12.png"]  # the twice-shot crack once, by its lowest shot
+    assert listed[2:] == ["ok/v5.png", "ok/v6.png", "ok/v7.png", "ok/v8.png", "ok/v9.png"]  # the tile once, its top
+
+
+def test_the_evaluate_stages_review_sheet_uses_the_threshold_on_the_exported_card(exported_project):
+    """The one threshold: what review.csv calls missed or flagged is at the threshold the runner decides with."""
+    card = json.loads((exported_project / "models/export/model.card.json").read_text())
+    metrics = json.loads((exported_project / "reports/evaluate/metrics.json").read_text())
+    with open(exported_project / "reports/evaluate/review.csv") as f:
+        table = list(csv.DictReader(f))
+    assert table and {r["threshold"] for r in table} == {f"{card['threshold']:.6f}"}
+    assert card["threshold"] == metrics["threshold"]
+    for r in table:
+        assert r["decision"] == ("defect" if float(r["defect_score"]) >= card["threshold"] else "ok")
 
 
 def held_out_with_a_look_alike(look_alike: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -187,3 +213,4 @@ def test_evaluate_reports_the_figures_of_redrawn_splits(tmp_path):
     assert 0.3 < m["redrawn_within_false_alarm_limit"] < 0.8
     written = json.loads((tmp_path / "metrics.json").read_text())
     assert written["redrawn_oracle_defect_recall"] == pytest.approx(m["redrawn_within_false_alarm_limit"])
+

@@ -130,52 +130,68 @@ def review_sheet(
     test: Split,
     classes: list[str],
     ok_class: str,
-    far_threshold: float,
+    threshold: float,
     out_dir: Path,
     val_groups: np.ndarray | None = None,
     per_row: int = 8,
+    target_recall: float | None = None,
 ) -> dict:
-    """The images a person should look at first: review.csv and review.png.
+    """The images a person should look at first, at the model card's threshold: review.csv and review.png.
 
-    Three rows: the val OK parts that score highest (on a small val split a few of them set the
-    false-alarm threshold alone, and an OK label on an image that shows a defect costs recall on every
-    part; with ``val_groups``, one image per near-duplicate group, its highest), the test defects
-    missed at that threshold (lowest score first) and the test OK images it flags (highest first).
-    Returns how many test defects it misses and test OK images it flags.
+    ``threshold`` is the card's (``evaluate``'s ``threshold``: the highest that catches ``target_recall`` of
+    the val defects), the one the runner decides with, so what the sheet calls missed or flagged is what
+    the runner would miss or flag; review.csv names it on every row (``threshold``, ``decision``) and
+    review.png in its title. Four rows: the val defect parts that score lowest (they set the threshold: a
+    defect label on an image that shows none pulls it down, and every OK part pays in false alarms), the
+    val OK parts that score highest (an OK label on an image that shows a defect teaches the model to pass
+    it), the test defects missed at the threshold (lowest score first) and the test OK images it flags
+    (highest first). With ``val_groups`` each val part appears once, by its lowest (defects) or highest
+    (OK) shot. Returns how many test defects it misses and test OK images it flags.
     """
     ok = classes.index(ok_class)
-    val_ok = val[1] == ok
+    val_defect, val_ok = val[1] != ok, val[1] == ok
     if val_groups is not None:
+        val_defect = highest_shot_per_part(val_defect, -val[3], val_groups)
         val_ok = highest_shot_per_part(val_ok, val[3], val_groups)
-    missed = (test[1] != ok) & (test[3] < far_threshold)
-    flagged = (test[1] == ok) & (test[3] >= far_threshold)
+    missed = (test[1] != ok) & (test[3] < threshold)
+    flagged = (test[1] == ok) & (test[3] >= threshold)
 
     def first(keep: np.ndarray, scores: np.ndarray, highest: bool) -> list[int]:
         order = np.argsort(-scores if highest else scores, kind="stable")
         return [int(i) for i in order if keep[i]][:per_row]
 
     rows = {
-        "val OK parts, highest scores (check their labels: they set the false-alarm cut)": (
+        "val defect parts, lowest scores (check their labels: they set the card's threshold)": (
+            "val",
+            val,
+            first(val_defect, val[3], highest=False),
+        ),
+        "val OK parts, highest scores (check their labels: a defect labeled OK is learned as OK)": (
             "val",
             val,
             first(val_ok, val[3], highest=True),
         ),
-        "test defects missed at the false-alarm threshold": ("test", test, first(missed, test[3], highest=False)),
-        "test OK images flagged at the false-alarm threshold": ("test", test, first(flagged, test[3], highest=True)),
+        "test defects missed at the card's threshold": ("test", test, first(missed, test[3], highest=False)),
+        "test OK images flagged at the card's threshold": ("test", test, first(flagged, test[3], highest=True)),
     }
     with open(out_dir / "review.csv", "w", newline="") as f:
         out = csv.writer(f)
-        out.writerow(["row", "split", "path", "label", "defect_score"])
+        out.writerow(["row", "split", "path", "label", "defect_score", "threshold", "decision"])
         for name, (split, (_, y, paths, scores), idx) in rows.items():
-            out.writerows([name, split, paths[i], classes[y[i]], f"{scores[i]:.6f}"] for i in idx)
-    review_grid(rows, classes, far_threshold, per_row, out_dir / "review.png")
+            for i in idx:
+                decision = "defect" if scores[i] >= threshold else "ok"
+                out.writerow([name, split, paths[i], classes[y[i]], f"{scores[i]:.6f}", f"{threshold:.6f}", decision])
+    how = f", chosen on val to catch {target_recall:.0%} of defects" if target_recall is not None else ""
+    title = f"defect score = 1 - p(ok); the model card's threshold is {threshold:.3f}{how} (defect at or above it)"
+    review_grid(rows, classes, title, per_row, out_dir / "review.png")
     return {"review_missed_defects": int(missed.sum()), "review_flagged_ok": int(flagged.sum())}
 
 
-def review_grid(rows: dict, classes: list[str], threshold: float, per_row: int, path: Path) -> None:
-    """One row of images per entry of ``rows``: {title: (split name, (images, labels, paths, scores), indices)}."""
+def review_grid(rows: dict, classes: list[str], title: str, per_row: int, path: Path) -> None:
+    """One row of images per entry of ``rows``: {title: (split name, (images, labels, paths, scores), indices)},
+    each image captioned with its label, defect score and file name, under the sheet's ``title``."""
     fig = plt.figure(figsize=(1.5 * per_row, 2.2 * len(rows)), layout="constrained")
-    fig.suptitle(f"defect score = 1 - p(ok); the false-alarm threshold is {threshold:.3f}", fontsize=9)
+    fig.suptitle(title, fontsize=9)
     for sub, (name, (_, (x, y, paths, scores), idx)) in zip(fig.subfigures(len(rows), 1), rows.items(), strict=True):
         sub.suptitle(name if len(idx) else f"{name}: none", fontsize=8)
         for c, ax in enumerate(sub.subplots(1, per_row)):
@@ -241,18 +257,7 @@ def _pr_plot(scores: np.ndarray, is_defect: np.ndarray, threshold: float, path: 
 
 
 def log_to_mlflow(run, metrics: dict, out_dir: Path) -> None:
-    """Into the model's run: every test figure as ``test_<name>`` (per class ``test_recall_<class>``), the
-    reports and plots under ``evaluate/``, and the headline figures as the run's description (the tag
-    ``mlflow.note.content``, the first thing its page shows)."""
     run.log_metrics({f"test_{k}": v for k, v in metrics.items() if isinstance(v, float) and np.isfinite(v)})
     per_class = json.loads((out_dir / "per_class.json").read_text())
     run.log_metrics({f"test_recall_{c}": m["recall"] for c, m in per_class.items()})
     run.log_artifacts(out_dir, "evaluate")
-    m = metrics
-    run.set_tags(
-        {
-            "mlflow.note.content": f"Test split, {m['test_images']} images: accuracy {m['accuracy']:.3f}, defect "
-            f"recall {m['defect_recall']:.3f} and false-alarm rate {m['false_alarm_rate']:.3f} at the threshold "
-            f"{m['threshold']:.3f}; ROC AUC {m['roc_auc']:.3f}."
-        }
-    )

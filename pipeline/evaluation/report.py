@@ -67,9 +67,10 @@ def evaluate_model(cfg: EvaluateConfig, device: str, src: Inputs, out: Path) -> 
         (test.x, test.y, test.paths, 1 - test_probs[:, ok]),
         meta["classes"],
         meta["ok_class"],
-        metrics["far_threshold"],
+        metrics["threshold"],  # the card's: the sheet shows what the runner would miss and flag
         out,
         val.groups,
+        target_recall=metrics["target_defect_recall"],
     )
     if cfg.heatmaps_per_class > 0:
         metrics |= heatmaps(cfg, net, meta, tiles, test, test_probs, src, out)
