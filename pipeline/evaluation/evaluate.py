@@ -257,7 +257,18 @@ def _pr_plot(scores: np.ndarray, is_defect: np.ndarray, threshold: float, path: 
 
 
 def log_to_mlflow(run, metrics: dict, out_dir: Path) -> None:
+    """Into the model's run: every test figure as ``test_<name>`` (per class ``test_recall_<class>``), the
+    reports and plots under ``evaluate/``, and the headline figures as the run's description (the tag
+    ``mlflow.note.content``, the first thing its page shows)."""
     run.log_metrics({f"test_{k}": v for k, v in metrics.items() if isinstance(v, float) and np.isfinite(v)})
     per_class = json.loads((out_dir / "per_class.json").read_text())
     run.log_metrics({f"test_recall_{c}": m["recall"] for c, m in per_class.items()})
     run.log_artifacts(out_dir, "evaluate")
+    m = metrics
+    run.set_tags(
+        {
+            "mlflow.note.content": f"Test split, {m['test_images']} images: accuracy {m['accuracy']:.3f}, defect "
+            f"recall {m['defect_recall']:.3f} and false-alarm rate {m['false_alarm_rate']:.3f} at the threshold "
+            f"{m['threshold']:.3f}; ROC AUC {m['roc_auc']:.3f}."
+        }
+    )
