@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")  # headless: stages run without a display
 import matplotlib.pyplot as plt  # noqa: E402
@@ -39,6 +40,27 @@ def confusion_matrix_plot(cm: np.ndarray, classes: list[str], title: str, path: 
     plt.close(fig)
 
 
+class PlainLogFormatter(matplotlib.ticker.LogFormatter):
+    """Log-axis tick labels as plain numbers (0.4, not 4 x 10^-1) on the ticks matplotlib would label
+    (minor ticks only where the axis spans few decades, so they never overlap)."""
+
+    def __call__(self, x: float, pos: int | None = None) -> str:
+        return f"{x:g}" if super().__call__(x, pos) else ""
+
+
+def y_scale(values: list[float]) -> str:
+    """The y scale that keeps curves readable: log where a linear axis would flatten them. Only for positive
+    values (losses), when their span is over 20x (a loss falling from 1.3 to 0.05) or the middle 80% of them
+    would fill under a quarter of a linear axis (one spike, like a first-epoch val loss of 22 over epochs
+    near 0.3, puts every other epoch on the floor)."""
+    v = np.asarray([x for x in values if np.isfinite(x)], dtype=float)
+    if len(v) < 2 or v.min() <= 0:
+        return "linear"
+    low, high = np.percentile(v, [10, 90])
+    squeezed = high - low < 0.25 * (v.max() - v.min())
+    return "log" if v.max() / v.min() > 20 or squeezed else "linear"
+
+
 def curves_plot(history: list[dict], keys: list[str], title: str, path: Path) -> None:
     """One line per key over epochs; ``history`` rows are the per-epoch dicts of the train stage."""
     members_curves_plot([history], keys, title, path)
@@ -51,9 +73,11 @@ def members_curves_plot(
     run; ``final`` values (the ensemble's own) are drawn as thick pale horizontal lines in the key's colour."""
     fig, ax = plt.subplots(figsize=(6, 3.5))
     styles = ["-", "--", ":", "-."]
-    values = [row[k] for h in histories for row in h for k in keys if k in row and np.isfinite(row[k])]
-    if values and min(values) > 0 and max(values) / min(values) > 20:
+    if y_scale([row[k] for h in histories for row in h for k in keys if k in row]) == "log":
         ax.set_yscale("log")  # one early spike (a val loss of 22 in epoch 1) would flatten every other epoch
+        ax.set_ylabel("log scale")
+        ax.yaxis.set_major_formatter(PlainLogFormatter())
+        ax.yaxis.set_minor_formatter(PlainLogFormatter(labelOnlyBase=False))
     for i, k in enumerate(keys):
         if not all(history and k in history[0] for history in histories):
             continue  # a figure this run does not record (train_mask_loss without masks)

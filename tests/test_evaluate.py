@@ -18,6 +18,7 @@ from pipeline.metrics import (
     roc_auc,
     threshold_for_false_alarms,
 )
+from pipeline.plots import curves_plot, y_scale
 
 
 def test_false_alarm_threshold_flags_at_most_the_allowed_share_of_ok_images():
@@ -214,3 +215,15 @@ def test_evaluate_reports_the_figures_of_redrawn_splits(tmp_path):
     written = json.loads((tmp_path / "metrics.json").read_text())
     assert written["redrawn_oracle_defect_recall"] == pytest.approx(m["redrawn_within_false_alarm_limit"])
 
+
+def test_a_first_epoch_loss_spike_puts_the_training_curves_on_a_log_axis(tmp_path):
+    spike = [22.0, 3.1, 0.9, 0.55, 0.45, 0.4, 0.35, 0.33, 0.3, 0.31, 0.28, 0.27]  # the val loss a user saw
+    assert y_scale(spike) == "log"
+    # a 15x spike: on a linear axis the other epochs would fill a sixth of it
+    assert y_scale([4.5] + [0.3 + 0.05 * i for i in range(14)]) == "log"
+    assert y_scale(list(np.linspace(2.3, 0.2, 25)) + list(np.linspace(1.8, 0.3, 25))) == "linear"  # plain decay
+    assert y_scale([0.0, 0.4, 0.8, 0.9]) == "linear" and y_scale([0.5, 0.7, 0.9, 0.95]) == "linear"
+    assert y_scale([float("nan"), *spike]) == "log"  # a missing epoch is no reason to give up the axis
+    history = [{"epoch": i + 1, "train_loss": 1.5 / (i + 1), "val_loss": v} for i, v in enumerate(spike)]
+    curves_plot(history, ["train_loss", "val_loss", "train_mask_loss"], "loss", tmp_path / "loss.png")
+    assert Image.open(tmp_path / "loss.png").size == (600, 350)
