@@ -102,7 +102,7 @@ class DefectNet(nn.Module):
 class Ensemble(nn.Module):
     """Members trained alike but for their seed, as one network: the mean of their class probabilities,
     returned as its log (logits whose softmax is that mean), so evaluation, export and the runner treat
-    it like a single model. Measured on the magnetic tiles: see README (``train.ensemble``)."""
+    it like a single model. Measured on the magnetic tiles: docs/training.md, *Ensembles*."""
 
     def __init__(self, members: list[DefectNet]) -> None:
         super().__init__()

@@ -75,7 +75,7 @@ def _add_review_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_bounds_args(p: argparse.ArgumentParser) -> None:
-    """serve's per-request budget and limits (README, Bounds; serving.server.ServerConfig)."""
+    """serve's per-request budget and limits (docs/serving.md, Bounds; serving.server.ServerConfig)."""
     p.add_argument(
         "--max-request-pixels",
         type=int,

@@ -5,7 +5,7 @@ stages and the runner, so a photograph is cut and scored the same way everywhere
 A thin crack 2 px wide in a 600 px photograph is under half a pixel after the whole image's resize to
 128 px; in a 128 px tile cut at 1:1 it stays 2 px wide. The tile model scores every tile; an image's tile
 view is its tile with the highest defect score, and the fused probabilities are
-``(1 - weight) * whole + weight * tile view`` (measured on the magnetic tiles: README, *Tiles*).
+``(1 - weight) * whole + weight * tile view`` (measured on the magnetic tiles: docs/training.md, *The tile model*).
 """
 
 from __future__ import annotations

@@ -49,12 +49,12 @@ from tests.serving_helpers import Server, free_port
 SIDE = 128  # input and tile side, as the default model's
 CLASSES = ["ok", "scratch", "dent"]
 MAX_PIXELS = 40_000_000  # serve's default --max-request-pixels
-POOL_MB = MAX_PIXELS * 16 / 2**20 + 64  # serve's default request memory (README, Bounds)
+POOL_MB = MAX_PIXELS * 16 / 2**20 + 64  # serve's default request memory (docs/serving.md, Bounds)
 # The memory the server may hold beyond its size once ready: the pool, four large bodies (16 MB each),
 # small bodies and headers on the connections the tests open, and what the allocator keeps (stated in
 # the README as the bound; measured well under it).
 MEMORY_BOUND_MB = POOL_MB + 4 * 16 + 100
-NORMAL_P99_S = 1.0  # a normal photograph's round trip while hostile requests run (README, Bounds)
+NORMAL_P99_S = 1.0  # a normal photograph's round trip while hostile requests run (docs/serving.md, Bounds)
 
 
 # --- the model ------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ A wrong name or argument is a ConfigError naming ``augment.policy[i]``.
 them, ``fixed`` drops them, ``auto`` measures the training images (``pose_of``): where a camera shows
 every part in one pose and light, the images are not alike under a mirror or a turn, and mirrored or
 turned views are images the line never produces (on the magnetic tiles they cost recall; on the synthetic
-data, drawn in every orientation, dropping them cost accuracy: README).
+data, drawn in every orientation, dropping them cost accuracy: docs/research/readme_measurements.md).
 """
 
 from __future__ import annotations
