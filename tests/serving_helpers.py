@@ -13,11 +13,30 @@ from pathlib import Path
 
 import onnx
 import requests
+from onnx import TensorProto, helper
 
 from serving.card import ModelCard, card_path_for, sha256_file
 from tests.conftest import ROOT, venv_env
 
 TOKEN = "line7-secret"
+
+
+def runner_graph(nodes: list, init: list, name: str, side: int, classes: int = 3) -> onnx.ModelProto:
+    """A checked ONNX model with the runner's contract: ``image`` (batch, side, side, 3) uint8 in, ``probs``
+    (batch, classes) and ``defect_score`` (batch) out; ``nodes`` and ``init`` compute them."""
+    graph = helper.make_graph(
+        nodes,
+        name,
+        [helper.make_tensor_value_info("image", TensorProto.UINT8, ["batch", side, side, 3])],
+        [
+            helper.make_tensor_value_info("probs", TensorProto.FLOAT, ["batch", classes]),
+            helper.make_tensor_value_info("defect_score", TensorProto.FLOAT, ["batch"]),
+        ],
+        init,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.checker.check_model(model)
+    return model
 
 
 def free_port() -> int:

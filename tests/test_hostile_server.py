@@ -44,7 +44,7 @@ from PIL import Image
 from serving.card import InputSpec, ModelCard, TileSpec, card_path_for, sha256_file
 from serving.tiles import max_tiles, tile_count, tile_graph_path
 from tests.conftest import ROOT, venv_env
-from tests.serving_helpers import Server, free_port
+from tests.serving_helpers import Server, free_port, runner_graph
 
 SIDE = 128  # input and tile side, as the default model's
 CLASSES = ["ok", "scratch", "dent"]
@@ -93,19 +93,7 @@ def conv_graph(side: int, seed: int, width: int = 16, depth: int = 2) -> onnx.Mo
         helper.make_node("Gather", ["probs", "ok"], ["p_ok"], axis=1),
         helper.make_node("Sub", ["one", "p_ok"], ["defect_score"]),
     ]
-    graph = helper.make_graph(
-        nodes,
-        "conv",
-        [helper.make_tensor_value_info("image", TensorProto.UINT8, ["batch", side, side, 3])],
-        [
-            helper.make_tensor_value_info("probs", TensorProto.FLOAT, ["batch", 3]),
-            helper.make_tensor_value_info("defect_score", TensorProto.FLOAT, ["batch"]),
-        ],
-        init,
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
-    onnx.checker.check_model(model)
-    return model
+    return runner_graph(nodes, init, "conv", side)
 
 
 def write_model(folder: Path, tiles: bool = True) -> Path:

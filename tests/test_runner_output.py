@@ -29,7 +29,7 @@ from serving.review import ReviewRule
 from serving.runner import Runner, verdict
 from serving.watch import Watcher
 from tests.conftest import ROOT, load_default_params
-from tests.serving_helpers import Server
+from tests.serving_helpers import Server, runner_graph
 
 CLASSES = ["ok", "scratch", "dent"]
 SIDE = 32
@@ -59,19 +59,7 @@ def share_graph() -> onnx.ModelProto:
         helper.make_node("Gather", ["probs", "ok"], ["p_ok"], axis=1),
         helper.make_node("Sub", ["one", "p_ok"], ["defect_score"]),
     ]
-    graph = helper.make_graph(
-        nodes,
-        "share",
-        [helper.make_tensor_value_info("image", TensorProto.UINT8, ["batch", SIDE, SIDE, 3])],
-        [
-            helper.make_tensor_value_info("probs", TensorProto.FLOAT, ["batch", 3]),
-            helper.make_tensor_value_info("defect_score", TensorProto.FLOAT, ["batch"]),
-        ],
-        init,
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
-    onnx.checker.check_model(model)
-    return model
+    return runner_graph(nodes, init, "share", SIDE)
 
 
 def write_model(folder: Path, threshold: float) -> Path:

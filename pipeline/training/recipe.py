@@ -66,13 +66,12 @@ class Recipe:
 
 
 def decide(params: Params, prepared_dir: Path) -> Recipe:
-    """The recipe from params; ``tiles.use: auto`` resolves to what the prepare stage recorded (tiles cut
-    where the data has defect masks that cover a training tile)."""
-    cut = read_summary(prepared_dir).get("tiles")
-    if params.tiles.use == "auto" and cut:
-        why = f"tiles.use auto: the data has defect masks ({cut['train_tiles']['defect']} defect training tiles)"
+    """The recipe from params; ``tiles.use: auto`` resolves to what the prepare stage recorded in
+    prepare.json (tiles cut, or why not: ``pipeline.data.tiling.tile_data``)."""
+    prepared = read_summary(prepared_dir)
+    why = prepared.get("tiles_reason") or f"tiles.use {params.tiles.use}"
+    if params.tiles.use == "auto" and prepared.get("tiles"):
         return Recipe(list(params.tiles.keep_members), True, why)
-    why = "tiles.use off" if params.tiles.use == "off" else "tiles.use auto: no defect masks cover a training tile"
     members = None if params.train.ensemble == 1 else list(range(params.train.ensemble))
     return Recipe(members, False, why)
 
