@@ -1,4 +1,5 @@
-"""Stage promote: register the export, alias it challenger, and move champion only to a better model."""
+"""Stage promote: register the export, alias it challenger, and move champion only to a better model (of the
+same classes: another class set is refused, see ``pipeline.registry.promote``)."""
 
 import json
 from pathlib import Path
@@ -10,13 +11,13 @@ from pipeline.registry.promote import promote
 
 def main(params):
     d = promote(params, Path("models/export"), Path("data/raw/images"), Path("data/prepared"), Path("reports/promote"))
-    before = d["champion_before"]
-    c = d["challenger"]
+    before, c = d["champion_before"], d["challenger"]
     vs = f" vs champion version {before['version']}" if before and before["version"] != c["version"] else ""
+    verdict = "now champion" if d["promoted"] else "stays challenger" if d["comparable"] else "not registered"
     print(
-        f"promote: version {c['version']} ({c['variant']}): defect recall {c['defect_recall']:.3f}, false alarms "
-        f"{c['false_alarm_rate']:.3f}, accuracy {c['accuracy']:.3f}{vs}; "
-        f"{'now champion' if d['promoted'] else 'stays challenger'}: {d['reason']}"
+        f"promote: {'version ' + c['version'] if c['version'] else 'the model'} ({c['variant']}): defect recall "
+        f"{c['defect_recall']:.3f}, false alarms {c['false_alarm_rate']:.3f}, accuracy {c['accuracy']:.3f}{vs}; "
+        f"{verdict}: {d['reason']}"
     )
     champion = bool(d["promoted"] or d["champion_after"] == c["version"])  # dvc metrics show:
     Path("reports/promote/headline.json").write_text(json.dumps({"champion": champion}) + "\n")

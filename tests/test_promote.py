@@ -10,7 +10,8 @@ import pytest
 from mlflow import MlflowClient
 
 from pipeline.config import PromoteRule
-from pipeline.registry.promote import decide
+from pipeline.registry.promote import champion_classes, decide, other_product
+from serving.card import InputSpec, ModelCard
 from serving.registry import resolve
 from serving.runner import Runner
 from tests.conftest import run_stages_in, tiny_params
@@ -47,6 +48,22 @@ def test_a_tie_promotes_when_asked():
     assert decide(m(0.9, 0.1, 0.9), m(0.9, 0.1, 0.9), RULES, promote_on_tie=True)[0] is True
 
 
+def card_of(classes: list[str], ok_class: str = "ok") -> ModelCard:
+    return ModelCard("m", "net", classes, ok_class, InputSpec(64, 3, "letterbox"), 0.5)
+
+
+def test_only_models_of_the_same_classes_compete():
+    champion = (["ok", "scratch", "crack"], "ok")
+    assert other_product(champion, card_of(["crack", "ok", "scratch"])) == ""  # the order is the model's own
+    why = other_product(champion, card_of(["ok", "scratch", "crack", "dent"]))
+    assert why == (
+        "champion classes ['crack', 'ok', 'scratch'] vs challenger ['crack', 'dent', 'ok', 'scratch']: "
+        "a different product; register under another promote.model_name"
+    )
+    why = other_product(champion, card_of(["ok", "scratch", "crack"], ok_class="scratch"))
+    assert why.startswith("champion OK class 'ok' vs challenger 'scratch': a different product")
+
+
 @pytest.fixture(scope="module")
 def registry_project(tmp_path_factory, exported_project) -> Path:
     work = tmp_path_factory.mktemp("promote")
@@ -79,6 +96,24 @@ def test_first_model_becomes_champion_and_the_runner_can_pull_it(registry_projec
     run = client.get_run(run_id)
     assert run.data.tags["promote.decision"] == "champion"
     assert run.data.metrics["promote_defect_recall"] == d["challenger"]["defect_recall"]
+    assert d["comparable"] and d["challenger"]["classes"] == ["crack", "ok", "scratch", "spot"]
+
+    # The version says what it is, how it scored and why it is the champion; so does the registered model.
+    evaluated = json.loads((registry_project / "reports/evaluate/metrics.json").read_text())
+    tags = champion.tags
+    assert json.loads(tags["classes"]) == d["challenger"]["classes"] and tags["ok_class"] == "ok"
+    assert float(tags["test_accuracy"]) == pytest.approx(d["challenger"]["accuracy"], abs=1e-4)
+    assert float(tags["test_defect_recall"]) == pytest.approx(d["challenger"]["defect_recall"], abs=1e-4)
+    assert float(tags["test_false_alarm_rate"]) == pytest.approx(d["challenger"]["false_alarm_rate"], abs=1e-4)
+    assert float(tags["test_roc_auc"]) == pytest.approx(evaluated["roc_auc"], abs=1e-4)
+    assert tags["data_fingerprint"] == run.data.tags["data.fingerprint"] and tags["threshold"]
+    assert "telling apart crack, ok, scratch, spot (OK class: ok)" in champion.description
+    assert "Champion: no champion yet: the first model becomes champion." in champion.description
+    assert "crack, ok, scratch, spot (OK class: ok)" in client.get_registered_model(name).description
+    assert run.data.tags["mlflow.note.content"].startswith("Test split, ")  # evaluate's headline figures
+    assert run.data.tags["mlflow.note.content"].endswith(
+        f"Registry: version 1 of {name}; champion: no champion yet: the first model becomes champion."
+    )
 
     # What the runner pulls is the registered file, and it scores images.
     files = resolve(f"models:/{name}@champion", tracking_uri=client.tracking_uri, cache=tmp_path / "cache")
@@ -119,3 +154,41 @@ def test_a_worse_model_stays_challenger_and_both_runs_record_it(registry_project
     old_tags = client.get_run(champion_run).data.tags
     assert old_tags["promote.challenged_by.v2"].startswith("held against version 2")
     assert "challenged_by.v2" in client.get_model_version(name, "1").tags
+    description = client.get_model_version(name, "2").description
+    assert f"Not champion (the champion is version 1): {d['reason']}." in description
+
+
+def test_a_model_of_other_classes_is_refused_before_it_is_registered(registry_project):
+    """The champion (as its tags say) tells apart other classes: the new model is another product. Nothing is
+    registered, no alias moves, and decision.json says why and what to do."""
+    params = tiny_params(**{"model.name": "test_efficientnet"})
+    client = client_for(registry_project)
+    name = params["promote"]["model_name"]
+    champion = client.get_model_version_by_alias(name, "champion")
+    challenger = str(client.get_model_version_by_alias(name, "challenger").version)
+    versions = sorted(str(v.version) for v in client.search_model_versions(f"name='{name}'"))
+    # Registered before these tags existed: the classes come from the champion's card.
+    for tag in ("classes", "ok_class"):
+        client.delete_model_version_tag(name, champion.version, tag)
+    untagged = client.get_model_version(name, champion.version)
+    assert champion_classes(client, name, untagged) == (["crack", "ok", "scratch", "spot"], "ok")
+
+    client.set_model_version_tag(name, champion.version, "classes", json.dumps(["ok", "dent"]))
+    client.set_model_version_tag(name, champion.version, "ok_class", "ok")
+    run_stages_in(registry_project, params, ["promote"])
+    d = decision(registry_project)
+    assert d["comparable"] is False and d["promoted"] is False
+    assert d["reason"] == (
+        "champion classes ['dent', 'ok'] vs challenger ['crack', 'ok', 'scratch', 'spot']: "
+        "a different product; register under another promote.model_name"
+    )
+    assert d["challenger"]["version"] is None and d["champion_before"]["classes"] == ["ok", "dent"]
+    assert d["champion_after"] == str(champion.version)
+    assert "defect_recall" not in d["champion_before"]  # never scored against each other
+    assert sorted(str(v.version) for v in client.search_model_versions(f"name='{name}'")) == versions
+    assert str(client.get_model_version_by_alias(name, "champion").version) == str(champion.version)
+    assert str(client.get_model_version_by_alias(name, "challenger").version) == challenger
+    registry = json.loads((registry_project / "reports/promote/registry.json").read_text())
+    assert registry["champion"] == str(champion.version) and registry["challenger"] == challenger
+    run = client.get_run(d["challenger"]["run_id"])
+    assert run.data.tags["promote.decision"] == "refused" and run.data.tags["promote.reason"] == d["reason"]

@@ -10,11 +10,20 @@
    its own card threshold, and ``promote.rules`` decide: in order, the first metric whose difference
    exceeds its tolerance decides; when every rule ties, ``promote.promote_on_tie``.
 4. The comparison is written to ``reports/promote/decision.json`` and recorded on both training runs
-   (metrics ``promote_*`` and tags) and on both model versions (tags).
+   (metrics ``promote_*`` and tags) and on both model versions (tags). The new version carries what it is
+   as tags (variant, classes, OK class, threshold, data and training fingerprints, its test figures) and
+   says it in its description, with why it is or is not the champion; the registered model describes
+   what it holds and what its aliases mean.
 5. ``reports/promote/registry.json`` says which registry the aliases were set in and what they point at.
    dvc.yaml keeps it out of DVC's cache, which turns DVC's run cache off for this stage: the stage's
    real effect is on the registry, and a run restored from the run cache (another checkout's, or an
    earlier run with the same inputs) would write the files and leave the registry as it was.
+
+Models of different class sets never compete for one champion: a model that tells apart other classes
+(or calls another class OK) than the champion is another product. Promote then refuses before registering
+anything: no version, no alias moves, and decision.json says ``comparable: false`` with the two class
+lists and the way out (another ``promote.model_name``). The champion's classes come from its version's
+tags, or from its card for versions registered before the tags existed.
 
 The runner serves ``models:/<model_name>@champion`` and hot-reloads when the alias moves.
 """
@@ -23,6 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import asdict
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -86,12 +96,12 @@ def decide(
     return promote_on_tie, f"every rule tied ({', '.join(r.metric for r in rules)}); promote_on_tie={promote_on_tie}"
 
 
-def register(client: MlflowClient, run: tracking.Run, name: str, model_path: Path, card: ModelCard) -> str:
-    """Log the variant into the training run and register it; reuse the version already holding this file."""
-    try:
-        client.get_registered_model(name)
-    except MlflowException:
-        client.create_registered_model(name, description="Defect detection: exported ONNX model + card (runner)")
+def register(
+    client: MlflowClient, run: tracking.Run, name: str, model_path: Path, card: ModelCard, data_fingerprint: str = ""
+) -> str:
+    """Log the variant into the training run and register it; reuse the version already holding this file.
+    The version's tags say what it is; ``data_fingerprint``: the training run's ``data.fingerprint``."""
+    ensure_registered_model(client, name, card)
     tiles_sha256 = card.tiles.sha256 if card.tiles else ""
     for mv in client.search_model_versions(f"name='{name}'"):
         if mv.tags.get("sha256") == card.sha256 and mv.tags.get("tiles_sha256", "") == tiles_sha256:
@@ -107,15 +117,67 @@ def register(client: MlflowClient, run: tracking.Run, name: str, model_path: Pat
         "variant": card.variant,
         "sha256": card.sha256,
         "architecture": card.architecture,
-        "data_fingerprint": card.data_fingerprint,
+        "classes": json.dumps(card.classes),
+        "ok_class": card.ok_class,
+        "input_size": str(card.input.size),
         "threshold": str(card.threshold),
+        "data_fingerprint": data_fingerprint or card.data_fingerprint,
+        "training_fingerprint": card.data_fingerprint,  # the card's: params, code and data of the training
     }
-    description = f"{card.architecture} {card.variant}, {card.input.size} px, classes {card.classes}"
     if card.tiles:
         tags |= {"tiles_sha256": tiles_sha256, "tiles_architecture": card.tiles.architecture}
-        description += f", with {card.tiles.architecture} tiles of {card.tiles.size} px"
-    mv = client.create_model_version(name, source, run_id=run.run_id, tags=tags, description=description)
+    mv = client.create_model_version(name, source, run_id=run.run_id, tags=tags, description=what_it_is(card))
     return str(mv.version)
+
+
+def what_it_is(card: ModelCard) -> str:
+    tiles = f", with a {card.tiles.architecture} tile model on {card.tiles.size} px tiles" if card.tiles else ""
+    return (
+        f"{card.architecture} ({card.variant} ONNX, {card.input.size} px{tiles}) telling apart "
+        f"{', '.join(card.classes)} (OK class: {card.ok_class}); flags a defect at defect score >= "
+        f"{card.threshold:.4f}."
+    )
+
+
+def ensure_registered_model(client: MlflowClient, name: str, card: ModelCard) -> None:
+    """The registered model, created where missing, with a description of what it holds (a description a
+    person wrote instead is kept)."""
+    text = (
+        f"Defect detection for one product: images classed as {', '.join(card.classes)} (OK class: "
+        f"{card.ok_class}). Each version is an exported ONNX model with its model card, for the edge runner. "
+        f"Alias `champion`: what the runners serve (`models:/{name}@champion`); `challenger`: the newest "
+        "model compared with it on the current test split. Only models of these classes compete here: "
+        "another class set is another product, under another `promote.model_name`."
+    )
+    try:
+        current = client.get_registered_model(name).description or ""
+    except MlflowException:
+        client.create_registered_model(name, description=text)
+        current = text
+    if current != text and (not current or current.startswith("Defect detection")):
+        client.update_registered_model(name, description=text)
+    client.set_registered_model_tag(name, "classes", json.dumps(card.classes))
+    client.set_registered_model_tag(name, "ok_class", card.ok_class)
+
+
+def champion_classes(client: MlflowClient, name: str, champ) -> tuple[list[str], str]:
+    """The champion version's classes and OK class: from its tags, or its card (older versions)."""
+    if "classes" in champ.tags and "ok_class" in champ.tags:
+        return json.loads(champ.tags["classes"]), champ.tags["ok_class"]
+    files = resolve(f"models:/{name}/{champ.version}", tracking_uri=client.tracking_uri, cache=CACHE)
+    card = ModelCard.read(card_path_for(files.model_path))
+    return card.classes, card.ok_class
+
+
+def other_product(champion: tuple[list[str], str], card: ModelCard) -> str:
+    """Why the challenger cannot compete with the champion ("" when it can): other classes, another OK class."""
+    classes, ok = champion
+    way_out = "a different product; register under another promote.model_name"
+    if sorted(classes) != sorted(card.classes):
+        return f"champion classes {sorted(classes)} vs challenger {sorted(card.classes)}: {way_out}"
+    if ok != card.ok_class:
+        return f"champion OK class {ok!r} vs challenger {card.ok_class!r}: {way_out}"
+    return ""
 
 
 def promote(params: Params, export_dir: Path, raw_images: Path, prepared: Path, out_dir: Path) -> dict:
@@ -130,50 +192,84 @@ def promote(params: Params, export_dir: Path, raw_images: Path, prepared: Path, 
     _, y_test, paths = load_split(prepared, "test")
     classes = read_summary(prepared)["classes"]
     truth = [classes[i] for i in y_test]
-    ok_class = card.ok_class
 
     with tracking.resume_run(params.mlflow, Path("models/train/run.json"), stage="promote") as run:
         client = run.client
-        version = register(client, run, cfg.model_name, model_path, card)
-        client.set_registered_model_alias(cfg.model_name, "challenger", version)
-        new = score_on_files(model_path, raw_images, paths, truth, ok_class)
-        try:
-            champ = client.get_model_version_by_alias(cfg.model_name, "champion")
-        except MlflowException:
-            champ = None
-        if champ is None:
-            promoted, why, old = True, "no champion yet: the first model becomes champion", None
-        elif str(champ.version) == version:
-            promoted, why, old = True, f"version {version} is already the champion", new
+        champ = alias_version(client, cfg.model_name, "champion")
+        new = score_on_files(model_path, raw_images, paths, truth, card.ok_class)
+        champ_classes = champion_classes(client, cfg.model_name, champ) if champ else None
+        refused = other_product(champ_classes, card) if champ_classes else ""
+        version, old = None, None
+        if refused:
+            promoted, why = False, refused
         else:
-            files = resolve(f"models:/{cfg.model_name}/{champ.version}", tracking_uri=client.tracking_uri, cache=CACHE)
-            old = score_on_files(files.model_path, raw_images, paths, truth, ok_class)
-            promoted, why = decide(new, old, cfg.rules, cfg.promote_on_tie, cfg.refuse_false_alarm_rate)
-        if promoted:
-            client.set_registered_model_alias(cfg.model_name, "champion", version)
+            data_fp = client.get_run(run.run_id).data.tags.get("data.fingerprint", "")
+            version = register(client, run, cfg.model_name, model_path, card, data_fp)
+            client.set_registered_model_alias(cfg.model_name, "challenger", version)
+            promoted, why, old = judge(params, client, champ, version, new, (raw_images, paths, truth, card.ok_class))
+            if promoted:
+                client.set_registered_model_alias(cfg.model_name, "champion", version)
         decision = {
             "model_name": cfg.model_name,
-            "challenger": {"version": version, "run_id": run.run_id, "variant": variant, **new},
+            "challenger": {
+                "version": version,
+                "run_id": run.run_id,
+                "variant": variant,
+                "classes": card.classes,
+                **new,
+            },
             "champion_before": None
             if champ is None
-            else {"version": str(champ.version), "run_id": champ.run_id, **(old or {})},
+            else {"version": str(champ.version), "run_id": champ.run_id, "classes": champ_classes[0], **(old or {})},
             "champion_after": version if promoted else str(champ.version),
             "promoted": promoted,
+            "comparable": not refused,
             "reason": why,
             "rules": [asdict(r) for r in cfg.rules],
             "test_images": len(paths),
         }
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "decision.json").write_text(json.dumps(decision, indent=2) + "\n")
-        registry = {
-            "tracking_uri": without_credentials(client.tracking_uri),
-            "model_name": cfg.model_name,
-            "champion": decision["champion_after"],
-            "challenger": version,
-        }
-        (out_dir / "registry.json").write_text(json.dumps(registry, indent=2) + "\n")
+        write_reports(client, decision, out_dir)
         record(run, client, decision, out_dir / "decision.json")
+        if version is not None:
+            describe(run, client, decision, card)
     return decision
+
+
+def alias_version(client: MlflowClient, name: str, alias: str):
+    """The model version ``alias`` points at, or None (no such alias, or no such registered model yet)."""
+    try:
+        return client.get_model_version_by_alias(name, alias)
+    except MlflowException:
+        return None
+
+
+def judge(params: Params, client: MlflowClient, champ, version: str, new: dict, test: tuple) -> tuple:
+    """(promoted, why, the champion's figures or None): the rules, with both scored on today's test split
+    (``test``: the image folder, the test files, their classes and the OK class)."""
+    cfg = params.promote
+    if champ is None:
+        return True, "no champion yet: the first model becomes champion", None
+    if str(champ.version) == version:
+        return True, f"version {version} is already the champion", new
+    files = resolve(f"models:/{cfg.model_name}/{champ.version}", tracking_uri=client.tracking_uri, cache=CACHE)
+    old = score_on_files(files.model_path, *test)
+    promoted, why = decide(new, old, cfg.rules, cfg.promote_on_tie, cfg.refuse_false_alarm_rate)
+    return promoted, why, old
+
+
+def write_reports(client: MlflowClient, decision: dict, out_dir: Path) -> None:
+    """decision.json, and registry.json: where the aliases live and what they point at now."""
+    name = decision["model_name"]
+    challenger = alias_version(client, name, "challenger")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "decision.json").write_text(json.dumps(decision, indent=2) + "\n")
+    registry = {
+        "tracking_uri": without_credentials(client.tracking_uri),
+        "model_name": name,
+        "champion": decision["champion_after"],
+        "challenger": str(challenger.version) if challenger else None,
+    }
+    (out_dir / "registry.json").write_text(json.dumps(registry, indent=2) + "\n")
 
 
 def without_credentials(uri: str) -> str:
@@ -184,25 +280,55 @@ def without_credentials(uri: str) -> str:
     return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
 
 
+FIGURES = ("defect_recall", "false_alarm_rate", "accuracy")
+
+
 def record(run: tracking.Run, client: MlflowClient, d: dict, report: Path) -> None:
-    """The comparison on both training runs and both model versions."""
+    """The comparison on both training runs and both model versions (a refused model: on its run alone)."""
     name, ch, before = d["model_name"], d["challenger"], d["champion_before"]
-    run.log_metrics({f"promote_{k}": ch[k] for k in ("defect_recall", "false_alarm_rate", "accuracy")})
-    tags = {
-        "promote.version": ch["version"],
-        "promote.decision": "champion" if d["promoted"] else "challenger",
-        "promote.reason": d["reason"],
-    }
-    if before and before["version"] != ch["version"]:
+    run.log_metrics({f"promote_{k}": ch[k] for k in FIGURES})
+    outcome = "champion" if d["promoted"] else "challenger" if d["comparable"] else "refused"
+    tags = {"promote.version": ch["version"] or "none", "promote.decision": outcome, "promote.reason": d["reason"]}
+    if before and d["comparable"] and before["version"] != ch["version"]:
         tags["promote.compared_with"] = f"version {before['version']} (run {before['run_id']})"
-        run.log_metrics({f"promote_champion_{k}": before[k] for k in ("defect_recall", "false_alarm_rate", "accuracy")})
-        outcome = "lost to" if d["promoted"] else "held against"
+        run.log_metrics({f"promote_champion_{k}": before[k] for k in FIGURES})
+        verb = "lost to" if d["promoted"] else "held against"
         client.set_tag(
             before["run_id"],
             f"promote.challenged_by.v{ch['version']}",
-            f"{outcome} version {ch['version']} (run {ch['run_id']}): {d['reason']}",
+            f"{verb} version {ch['version']} (run {ch['run_id']}): {d['reason']}",
         )
         client.set_model_version_tag(name, before["version"], f"challenged_by.v{ch['version']}", d["reason"])
     run.set_tags(tags)
-    client.set_model_version_tag(name, ch["version"], "promotion", f"{tags['promote.decision']}: {d['reason']}")
+    if ch["version"] is not None:
+        client.set_model_version_tag(name, ch["version"], "promotion", f"{outcome}: {d['reason']}")
     run.log_artifacts(report, "promote")
+
+
+def describe(run: tracking.Run, client: MlflowClient, d: dict, card: ModelCard) -> None:
+    """The new version's test figures as tags and, in words, what it is and why it is or is not the champion;
+    a champion it replaced says by which version; the training run's description gains the outcome."""
+    name, ch, before = d["model_name"], d["challenger"], d["champion_before"]
+    evaluated = Path("reports/evaluate/metrics.json")
+    auc = json.loads(evaluated.read_text()).get("roc_auc") if evaluated.is_file() else None
+    figures = {f"test_{k}": ch[k] for k in FIGURES} | ({"test_roc_auc": auc} if auc is not None else {})
+    for key, value in figures.items():
+        client.set_model_version_tag(name, ch["version"], key, f"{value:.4f}")
+    verdict = "Champion" if d["promoted"] else f"Not champion (the champion is version {d['champion_after']})"
+    if not (before and before["version"] == ch["version"]):  # not a re-run on the champion itself
+        text = (
+            f"{what_it_is(card)}\n\nTest split, {ch['images']} images scored end to end by the edge runner at "
+            f"that threshold: accuracy {ch['accuracy']:.1%}, defect recall {ch['defect_recall']:.1%}, "
+            f"false-alarm rate {ch['false_alarm_rate']:.1%}"
+            + (f"; ROC AUC {auc:.3f} (evaluate stage, PyTorch)" if auc is not None else "")
+            + f".\n\n{verdict}: {d['reason']}.\n\nTrained in MLflow run {ch['run_id']}."
+        )
+        client.update_model_version(name, ch["version"], description=text)
+    if d["promoted"] and before and before["version"] != ch["version"]:
+        old = client.get_model_version(name, before["version"]).description or ""
+        replaced = f"Replaced as champion by version {ch['version']}: {d['reason']}."
+        client.update_model_version(name, before["version"], description=f"{old}\n\n{replaced}".strip())
+    note = client.get_run(run.run_id).data.tags.get("mlflow.note.content", "")
+    note = re.split(r"(?:^|\n\n)Registry:", note)[0]  # a re-run replaces its own line
+    outcome = f"Registry: version {ch['version']} of {name}; {verdict.lower()}: {d['reason']}."
+    run.set_tags({"mlflow.note.content": f"{note}\n\n{outcome}".strip()})
