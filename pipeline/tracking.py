@@ -120,7 +120,8 @@ def changed_files() -> list[str]:
 def git_info(dvc_yaml: Path = Path("dvc.yaml")) -> dict[str, str]:
     """The commit, and whether the code differs from it. DVC rewrites its own files on every ``dvc repro``
     (dvc.lock, the metrics and reports that dvc.yaml declares with ``cache: false``, the .gitignore files it
-    keeps), so those never make a run dirty. ``git.dirty``: a tracked file other than those and params.yaml
+    keeps) and the stages write ``reports/`` (the whole folder: what a stage writes there beside its declared
+    outputs too), so those never make a run dirty. ``git.dirty``: a tracked file other than those and params.yaml
     changed; ``git.params_dirty``: params.yaml differs from the commit (as it does under ``dvc exp run -S``);
     ``git.dirty_files``: which files, params.yaml included."""
     commit = _git("rev-parse", "HEAD").strip()
@@ -128,7 +129,7 @@ def git_info(dvc_yaml: Path = Path("dvc.yaml")) -> dict[str, str]:
 
     def made_by_dvc(path: str) -> bool:
         norm = os.path.normpath(path)
-        if norm == "dvc.lock" or Path(norm).name == ".gitignore":
+        if norm == "dvc.lock" or Path(norm).name == ".gitignore" or norm.startswith("reports" + os.sep):
             return True
         return any(norm == out or norm.startswith(out + os.sep) for out in outputs)
 

@@ -38,6 +38,7 @@ def repo(tmp_path, monkeypatch) -> Path:
         "params.yaml": "train: {lr: 0.1}\n",
         "dvc.lock": "schema: '2.0'\n",
         "reports/train/metrics.json": "{}\n",
+        "reports/validate/report.md": "written by a stage, not declared in dvc.yaml\n",
         "models/train/checkpoints/model-run.json": "{}\n",
         ".gitignore": "/mlruns\n",
     }.items():
@@ -54,6 +55,7 @@ def test_what_dvc_rewrites_does_not_make_the_code_dirty(repo):
     """A fresh clone after `dvc repro`: dvc.lock, the metrics and the .gitignore entries DVC keeps differ."""
     (repo / "dvc.lock").write_text("schema: '2.0'\nstages: {}\n")
     (repo / "reports/train/metrics.json").write_text('{"val_loss": 0.5}\n')
+    (repo / "reports/validate/report.md").write_text("this run's report\n")
     (repo / "models/train/checkpoints/model-run.json").write_text('{"run_id": "x"}\n')
     (repo / ".gitignore").write_text("/mlruns\n/model.pt\n")
     (repo / "scratch.py").write_text("untracked files are not the code\n")
