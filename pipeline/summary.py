@@ -88,15 +88,19 @@ def lines(reports: Path = Path("reports"), root: Path = Path()) -> list[str]:
     if d:
         c = d["challenger"]
         verdict = "now champion" if d["promoted"] else f"stays challenger (champion: version {d['champion_after']})"
-        out.append(f"registry:  {d['model_name']} version {c['version']} ({c['variant']}) {verdict}")
+        if d.get("comparable") is False:  # another class set: refused before registering
+            out.append(f"registry:  not registered under {d['model_name']}: another product's classes")
+        else:
+            out.append(f"registry:  {d['model_name']} version {c['version']} ({c['variant']}) {verdict}")
         out.append(f"because:   {d['reason']}")
     out = [line for line in out if line]
+    name = params.get("promote", {}).get("model_name", "defect-detection")
+    uri = params.get("mlflow", {}).get("tracking_uri", "sqlite:///mlflow.db")
     if not out:
         return ["no stage has written its report yet: run `dvc repro`"]
     return out + [
         "reports:   reports/evaluate/ (review.png: the images to look at first), `dvc metrics show`, MLflow: `make ui`",
-        f"serve it:  defect-runner serve --model models:/{params['promote']['model_name']}@champion "
-        f"--tracking-uri {params['mlflow']['tracking_uri']}",
+        f"serve it:  defect-runner serve --model models:/{name}@champion --tracking-uri {uri}",
         "your data: defect check -S data.source=DIR, then defect exp --profile photographs -S data.source=DIR",
     ]
 

@@ -75,3 +75,12 @@ def test_before_any_stage_ran_it_says_so(tmp_path):
         timeout=60,
     )
     assert proc.returncode == 0 and "run `dvc repro`" in proc.stdout
+
+
+def test_a_refused_model_of_other_classes_is_said_so(tmp_path):
+    reason = "champion classes [ok, scratch] vs challenger [ok, dent]: a different product"
+    decision = {"model_name": "m", "challenger": {"version": None, "variant": "fp32"}, "promoted": False}
+    write(tmp_path / "promote/decision.json", decision | {"comparable": False, "champion_after": "2", "reason": reason})
+    said = "\n".join(lines(tmp_path, tmp_path))
+    assert "registry:  not registered under m: another product's classes" in said and reason in said
+    assert "version None" not in said
