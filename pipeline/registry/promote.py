@@ -56,7 +56,7 @@ CACHE = Path("models/promote/cache")  # champions downloaded for the comparison,
 
 def score_on_files(model_path: Path, root: Path, paths: list[str], truth: list[str], ok_class: str) -> dict:
     """Defect recall, false-alarm rate and accuracy of one exported model on image files, at its card's
-    threshold. A class the model does not know counts as a miss (the newer model may know more)."""
+    threshold (both models know every class: other class sets are refused before scoring)."""
     runner = Runner(model_path, providers="cpu", spin=False, force=True, warmup=0)
     preds = list(runner.predict_files([root / p for p in paths], batch_size=32))
     unreadable = [p.path for p in preds if p.error]
