@@ -216,7 +216,10 @@ def test_queued_experiments_hold_exactly_the_planned_params(scratch):
         {
             "default": {},
             "gamma only": {"augment.policy": GAMMA_ONLY, "tiles.use": False},
-            "members": {"train.ensemble_members": [{"train.epochs": 40}, {}, {"augment.policy": GAMMA_ONLY}]},
+            "members": {
+                "train.ensemble": 3,
+                "train.ensemble_members": [{"train.epochs": 40}, {}, {"augment.policy": GAMMA_ONLY}],
+            },
             "short tiles": {"tiles.recipe": {"train.epochs": 3}},
         },
     )
