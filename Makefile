@@ -22,11 +22,11 @@ run: setup
 	dvc repro
 	python -m pipeline.summary
 
-# The full suite, what CI runs (~16 min on 2 cores).
+# The full suite, what CI runs (~20 min on 2 cores).
 test: setup
 	pytest -q
 
-# The edit loop (43 s on 2 cores): unit and small integration tests, no training runs or dvc repro
+# The edit loop (about 1 min on 2 cores): unit and small integration tests, no training runs or dvc repro
 # (tests marked slow, or using the session's trained-model fixtures, are left out: tests/conftest.py).
 test-fast: setup
 	pytest -q -m "not slow and not gpu and not real_data"
