@@ -55,7 +55,7 @@ def _model_line(recipe: dict | None, train: dict | None, params: dict) -> str | 
     what = f"{params['model']['name']}, {params['prepare']['image_size']} px"
     what += f", {members} models" if members > 1 else ""
     what += " + a tile model" if recipe and recipe.get("tiles") else ""
-    seconds = training_seconds({k: v for k, v in train.items() if k != "tiles"} if "members" in train else train)
+    seconds = training_seconds(train)
     took = f", trained in {seconds / 60:.1f} min" if seconds else ""
     return f"model:     {what}{took} ({train['device']}, {train['precision']}, {train['train_images']} images)"
 
