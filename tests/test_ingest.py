@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import subprocess
 import sys
 
@@ -13,8 +14,9 @@ import yaml
 from PIL import Image
 
 from pipeline.config import ConfigError, params_from_dict
-from pipeline.data.ingest import ingest
-from tests.conftest import ROOT, tiny_params
+from pipeline.data.check import check_data
+from pipeline.data.ingest import ingest, ingest_masks
+from tests.conftest import REAL_DATA, ROOT, tiny_params
 
 
 def data_cfg(**kw):
@@ -32,7 +34,9 @@ def test_synthetic_default_writes_images_and_masks(tmp_path):
     assert summary["counts"] == {"ok": 24, "scratch": 12, "spot": 12, "crack": 12}
     assert len(list((tmp_path / "raw/images/crack").glob("*.png"))) == 12
     assert len(list((tmp_path / "raw/masks/crack").glob("*.png"))) == 12
-    assert json.loads((tmp_path / "raw/ingest.json").read_text())["total"] == 60
+    written = json.loads((tmp_path / "raw/ingest.json").read_text())
+    assert written["total"] == 60 and written["ok_class"] == "ok"
+    assert written["masks"] == {"folders": [], "kind": "masks", "images": 60, "from_boxes": 0, "problems": []}
 
 
 def test_folder_source_is_copied_not_touched(tmp_path):
@@ -45,6 +49,7 @@ def test_folder_source_is_copied_not_touched(tmp_path):
     assert summary["counts"] == {"dent": 3, "good": 3}
     assert {p: p.read_bytes() for p in src.rglob("*.png")} == before
     assert (tmp_path / "raw/images/dent/2.png").read_bytes() == (src / "dent/2.png").read_bytes()
+    assert summary["masks"] == {"folders": [], "kind": None, "images": 0, "from_boxes": 0, "problems": []}
 
 
 @pytest.mark.parametrize(
@@ -54,6 +59,7 @@ def test_folder_source_is_copied_not_touched(tmp_path):
         ([], "has no class subfolders"),
         (["good"], "single class folder (good)"),
         (["dent", "scratch"], "data.ok_class: 'good' is not a class folder"),
+        (["dent", "scratch"], "use data.ok_class: none for defect-type sorting without an OK class"),
     ],
 )
 def test_bad_source_folder_is_one_clear_error(tmp_path, layout, message):
@@ -65,6 +71,42 @@ def test_bad_source_folder_is_one_clear_error(tmp_path, layout, message):
     with pytest.raises(ConfigError) as exc:
         ingest(data_cfg(source=str(src), ok_class="good"), tmp_path / "raw")
     assert message in str(exc.value) and "data." in str(exc.value)
+
+
+def test_no_ok_class_sorts_defect_types_and_needs_two_of_them(tmp_path, capsys):
+    src = tmp_path / "steel"
+    for cls in ("inclusion", "scratches"):
+        for i in range(3):
+            write_png(src / cls / f"{i}.png", 40 * i)
+    summary = ingest(data_cfg(source=str(src), ok_class="none"), tmp_path / "raw")
+    assert summary["counts"] == {"inclusion": 3, "scratches": 3}
+    assert json.loads((tmp_path / "raw/ingest.json").read_text())["ok_class"] is None
+    p = params_from_dict(tiny_params())
+    check_data(dataclasses.replace(p, data=dataclasses.replace(p.data, source=str(src), ok_class="none")))
+    assert "problem" not in capsys.readouterr().out.lower()
+
+    shutil.rmtree(src / "scratches")
+    with pytest.raises(ConfigError) as exc:
+        ingest(data_cfg(source=str(src), ok_class="none"), tmp_path / "raw")
+    assert str(exc.value) == (
+        f"data.source: {src} has a single class folder (inclusion); defect-type sorting (data.ok_class: none) "
+        "needs at least two defect classes"
+    )
+    problems = check_data(dataclasses.replace(p, data=dataclasses.replace(p.data, source=str(src), ok_class="none")))
+    assert problems == [str(exc.value)]
+
+
+@pytest.mark.skipif(not REAL_DATA.is_dir(), reason=f"the magnetic tile photographs are not at {REAL_DATA}")
+def test_magnetic_tile_masks_are_found_for_every_image():
+    classes = sorted(p.name for p in REAL_DATA.iterdir() if p.is_dir())
+    masks = ingest_masks(REAL_DATA, classes, "free", None)
+    assert masks == {
+        "folders": [str(REAL_DATA.with_name(REAL_DATA.name + "_masks"))],
+        "kind": "masks",
+        "images": 1344,
+        "from_boxes": 0,
+        "problems": [],
+    }
 
 
 def test_stage_prints_one_line_not_a_traceback(tmp_path):
