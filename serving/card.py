@@ -5,13 +5,28 @@ file's sha256) and inside the ONNX metadata (``model_card``, without the sha256,
 the file that contains it), together with ``model_card_sha256``: the sha256 of the card's canonical
 JSON (``canonical_json``: every field but ``sha256``, keys sorted, no spaces).
 
+Two kinds of card, told apart by ``ok_class`` (``ModelCard.sorting``):
+
+- **defect detection** (binary): ``ok_class`` names the class that means "no defect" and ``threshold`` is a
+  number in [0, 1]; the graph's ``defect_score`` is 1 - p(ok) and an image is "defect" when
+  ``defect_score >= threshold``.
+- **defect-type sorting** (every image is a defect, e.g. the NEU steel dataset): ``ok_class`` and
+  ``threshold`` are both null, ``tiles`` is null, and ``outputs`` is ``SORTING_OUTPUTS``: the graph's
+  ``defect_score`` is the most likely class's probability (the max over K) and the decision is that class.
+
+``operating_point`` (optional, a JSON object; left out of the JSON when empty) is what the evaluate stage
+measured at the card's threshold, e.g. ``{"status": "below target", "target_defect_recall": 0.99,
+"val_defect_recall": 0.93, ...}``: the runner warns at load when its status is "below target"
+(``serving.runner.review_warning``) and the server shows it in its model metadata.
+
 Nothing in a card is trusted before it is checked (``ModelCard.read``):
 
 - **schema**: every field has its type (a boolean is ``true``/``false``, never the string ``"false"``;
-  an integer is never a float or a boolean), the threshold is a finite number in [0, 1], the classes
-  are at least two unique non-empty strings with ``ok_class`` among them, the variant is a known one,
-  the input side and channels are positive integers, a tile graph is named by a bare file name beside
-  the model. All problems are reported at once, each naming the field and the file.
+  an integer is never a float or a boolean), the threshold is a finite number in [0, 1] (null together
+  with ``ok_class`` for a sorting card, and only then), the classes are at least two unique non-empty
+  strings with ``ok_class`` among them, the variant is a known one, the input side and channels are
+  positive integers, a tile graph is named by a bare file name beside the model, ``operating_point`` is a
+  JSON object. All problems are reported at once, each naming the field and the file.
 - **integrity** (``check_card_against_graph``, called by the runner on the graph's metadata): the
   sidecar's canonical sha256 must be the ``model_card_sha256`` that export recorded inside the model
   (whose bytes the sidecar's ``sha256`` covers), so an edited threshold or a reordered class list in the
@@ -42,6 +57,12 @@ METADATA_CARD = "model_card"  # ONNX metadata key: the card as JSON, without ``s
 METADATA_CARD_SHA256 = "model_card_sha256"  # ONNX metadata key: ``card_sha256`` of that card
 MAX_CARD_BYTES = 1 << 20  # a card is a few kB; a larger file is not a card
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+BINARY_OUTPUTS = {"probs": "(N, K) float32 class probabilities", "defect_score": "(N,) 1 - p(ok)"}
+SORTING_OUTPUTS = {
+    "probs": "(N, K) float32 class probabilities",
+    "defect_score": "(N,) the most likely class's probability (defect-type sorting: no OK class)",
+}
+BINARY_DECISIONS = ("defect", "ok")  # a binary card's decisions; a sorting card decides one of its classes
 
 
 class CardError(ValueError):
@@ -74,9 +95,9 @@ class ModelCard:
     name: str  # registered model name
     architecture: str  # timm model name
     classes: list[str]
-    ok_class: str
+    ok_class: str | None  # None: defect-type sorting (no OK class, no threshold)
     input: InputSpec
-    threshold: float  # defect_score >= threshold -> "defect"
+    threshold: float | None  # defect_score >= threshold -> "defect"; None exactly when ok_class is None
     variant: str = "fp32"
     deployable: bool = True
     not_deployable_reason: str = ""
@@ -85,18 +106,42 @@ class ModelCard:
     data_fingerprint: str = ""
     parity: dict[str, Any] = field(default_factory=dict)
     recommended: dict[str, str] = field(default_factory=dict)  # execution provider -> variant to run there
-    outputs: dict[str, str] = field(
-        default_factory=lambda: {"probs": "(N, K) float32 class probabilities", "defect_score": "(N,) 1 - p(ok)"}
-    )
+    outputs: dict[str, str] = field(default_factory=lambda: dict(BINARY_OUTPUTS))  # SORTING_OUTPUTS for sorting
     tiles: TileSpec | None = None  # None: the whole-image graph alone decides
+    operating_point: dict[str, Any] = field(default_factory=dict)  # the evaluate stage's figures at the threshold
     card_version: int = CARD_VERSION
 
     @property
+    def sorting(self) -> bool:
+        """Defect-type sorting: no OK class and no threshold; the decision is the most likely class."""
+        return self.ok_class is None
+
+    @property
     def ok_index(self) -> int:
+        """The OK class's column in ``probs``. A sorting card has none: asking is a CardError, never a guess
+        (a None here would index numpy arrays as a new axis without a word)."""
+        if self.ok_class is None:
+            raise CardError(
+                f"model card {self.name!r}: ok_class is null (defect-type sorting), so there is no OK class index; "
+                "a sorting card decides by the most likely class"
+            )
         return self.classes.index(self.ok_class)
 
+    @property
+    def decisions(self) -> tuple[str, ...]:
+        """Every decision this card can give: "defect" and "ok", or for a sorting card its classes."""
+        return tuple(self.classes) if self.sorting else BINARY_DECISIONS
+
+    def as_dict(self) -> dict[str, Any]:
+        """The card as its JSON holds it. An empty ``operating_point`` is left out, so a card without one
+        is written, embedded and hashed exactly as cards were before the field existed."""
+        body = dataclasses.asdict(self)
+        if not body["operating_point"]:
+            del body["operating_point"]
+        return body
+
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+        return json.dumps(self.as_dict(), indent=2, sort_keys=True)
 
     @classmethod
     def from_dict(cls, raw: Any, where: str = "model card") -> ModelCard:
@@ -107,10 +152,11 @@ class ModelCard:
         problems = card_problems(raw)
         if problems:
             raise CardError(f"{where}: " + "; ".join(problems))
-        tiles = raw.get("tiles")
+        tiles, threshold = raw.get("tiles"), raw["threshold"]
         if tiles is not None:
             tiles = TileSpec(**{**tiles, "weight": float(tiles["weight"])})
-        return cls(**{**raw, "input": InputSpec(**raw["input"]), "tiles": tiles, "threshold": float(raw["threshold"])})
+        threshold = None if threshold is None else float(threshold)
+        return cls(**{**raw, "input": InputSpec(**raw["input"]), "tiles": tiles, "threshold": threshold})
 
     @classmethod
     def read(cls, path: str | Path) -> ModelCard:
@@ -169,8 +215,13 @@ def _nested(v: Any) -> str:
     return ""  # ``input`` and ``tiles`` are checked field by field in card_problems
 
 
+def _ok_class(v: Any) -> str:
+    ok = v is None or (isinstance(v, str) and v.strip())  # null: a sorting card (_sorting_problems checks the pair)
+    return "" if ok else f"must be a non-empty string, or null for a defect-type sorting card, got {v!r}"
+
+
 def _threshold(v: Any) -> str:
-    ok = _is_number(v) and math.isfinite(v) and 0.0 <= v <= 1.0
+    ok = v is None or (_is_number(v) and math.isfinite(v) and 0.0 <= v <= 1.0)  # null: see _ok_class
     return "" if ok else f"must be a finite number in [0, 1], got {v!r}"
 
 
@@ -233,7 +284,7 @@ CARD_FIELDS = {
     "name": _nonempty,
     "architecture": _string,
     "classes": _classes,
-    "ok_class": _nonempty,
+    "ok_class": _ok_class,
     "threshold": _threshold,
     "variant": _one_of(*VARIANTS),
     "deployable": _boolean,
@@ -247,6 +298,7 @@ CARD_FIELDS = {
     "card_version": _one_of(CARD_VERSION),
     "input": _nested,
     "tiles": _nested,
+    "operating_point": _object(),  # its keys are the evaluate stage's to choose: only the type is checked
 }
 
 
@@ -284,6 +336,39 @@ def card_problems(raw: dict) -> list[str]:
     ok, classes = raw.get("ok_class"), raw.get("classes")
     if isinstance(ok, str) and isinstance(classes, list) and ok not in classes:
         problems.append(f"field 'ok_class' {ok!r} is not one of classes {classes}")
+    return problems + _sorting_problems(raw)
+
+
+def _sorting_problems(raw: dict) -> list[str]:
+    """The null rules: ``ok_class`` and ``threshold`` are null together (a sorting card) or not at all, and
+    a sorting card has no tile graph and says what its ``defect_score`` is (``SORTING_OUTPUTS``)."""
+    if "ok_class" not in raw or "threshold" not in raw:
+        return []  # reported as missing
+    ok, threshold = raw["ok_class"], raw["threshold"]
+    if ok is not None:
+        if threshold is None:
+            return [
+                f"field 'threshold' is null, but only a sorting card (ok_class null) has no threshold: a card with "
+                f"ok_class {ok!r} needs a finite number in [0, 1]"
+            ]
+        return []
+    problems = []
+    if threshold is not None:
+        problems.append(
+            f"field 'threshold' must be null when 'ok_class' is null (defect-type sorting decides by the most "
+            f"likely class, with no threshold), got {threshold!r}"
+        )
+    if raw.get("tiles") is not None:
+        problems.append(
+            "field 'tiles' must be null for a sorting card (ok_class null): the tile view picks the tile with the "
+            "highest 1 - p(ok)"
+        )
+    outputs = raw.get("outputs", BINARY_OUTPUTS)
+    if outputs != SORTING_OUTPUTS:
+        problems.append(
+            f"field 'outputs' must be {json.dumps(SORTING_OUTPUTS)} for a sorting card (ok_class null), "
+            f"got {json.dumps(outputs)}"
+        )
     return problems
 
 
@@ -292,7 +377,7 @@ def card_problems(raw: dict) -> list[str]:
 
 def canonical_json(card: ModelCard) -> str:
     """The card as the hash sees it: every field but the model file's own ``sha256``, keys sorted, compact."""
-    body = dataclasses.asdict(card)
+    body = card.as_dict()
     body.pop("sha256")
     return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
 
