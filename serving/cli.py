@@ -9,7 +9,10 @@ defect-runner watch --model models/export/model.onnx /line7/inbox --out /line7
 defect-runner serve --model models:/defect-detection@champion --tracking-uri sqlite:///mlflow.db
 
 Every scored row names its defect score, the card's threshold it was compared to, the decision, the most
-likely class and a reason (why the two disagree, when they do), and the model and its version.
+likely class and a reason (why the two disagree, when they do), and the model and its version. A defect-type
+sorting model (its card's ok_class null) decides the most likely class: its rows carry that class's
+probability as defect_score and no threshold. A model whose card marks it for review (its operating point
+below target) still runs, with a warning.
 """
 
 from __future__ import annotations
@@ -70,8 +73,18 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def _add_review_args(p: argparse.ArgumentParser) -> None:
     """The review-queue rule, shared by watch and serve (serving.review.ReviewRule)."""
-    p.add_argument("--review-margin", type=float, default=0.1, help="queue scores this close to the threshold")
-    p.add_argument("--review-min-confidence", type=float, default=0.6, help="queue top probabilities below this")
+    p.add_argument(
+        "--review-margin",
+        type=float,
+        default=0.1,
+        help="queue scores this close to the threshold (a defect-type sorting model has none: not used)",
+    )
+    p.add_argument(
+        "--review-min-confidence",
+        type=float,
+        default=0.6,
+        help="queue top probabilities below this (a defect-type sorting model's only rule)",
+    )
 
 
 def _add_bounds_args(p: argparse.ArgumentParser) -> None:
@@ -175,6 +188,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
         out.close()
     also = f", {skips} skipped" if skips else ""
     print(f"scored {total - errors - skips} of {total} files ({errors} unreadable{also})", file=sys.stderr)
+    if runner.warning:  # last, where a progress bar cannot hide it
+        print(f"defect-runner: warning: {runner.warning}", file=sys.stderr)
     return 0
 
 

@@ -1,7 +1,9 @@
 """The review queue: images the model is unsure about, copied out for a person to label.
 
 An image goes to the queue when its defect score is within ``margin`` of the card's threshold or its top
-class probability is below ``min_confidence``. It is copied (never moved) to ``<queue>/<predicted
+class probability is below ``min_confidence``. A defect-type sorting card has no threshold: there the
+confidence rule alone decides (an image whose most likely class is below ``min_confidence`` is queued,
+in the folder of that class), and the margin does not apply. It is copied (never moved) to ``<queue>/<predicted
 class>/`` and listed in ``<queue>/queue.jsonl``: its result row as the runner wrote it (defect score, the
 card's threshold, decision, class, ``reason``, model and version), ``review`` (its path in the queue) and
 ``review_reasons`` (why it was queued). A person moves wrong ones into the right class folder and adds the
@@ -23,14 +25,15 @@ from typing import Any
 class ReviewRule:
     """When an image goes to the review queue (both may apply; 0 switches a rule off)."""
 
-    margin: float = 0.1  # |defect score - threshold| at most this
+    margin: float = 0.1  # |defect score - threshold| at most this (binary cards: a sorting card has no threshold)
     min_confidence: float = 0.6  # the top class probability below this
 
-    def reasons(self, score: float | None, probs: dict[str, float] | None, threshold: float) -> list[str]:
+    def reasons(self, score: float | None, probs: dict[str, float] | None, threshold: float | None) -> list[str]:
+        """Why an image is queued ([] when it is not); ``threshold`` None: a sorting card, no margin rule."""
         out: list[str] = []
         if score is None or probs is None:
             return out
-        if self.margin and abs(score - threshold) <= self.margin:
+        if self.margin and threshold is not None and abs(score - threshold) <= self.margin:
             out.append(f"score {score:.3f} within {self.margin} of the threshold {threshold:.3f}")
         if self.min_confidence and max(probs.values()) < self.min_confidence:
             out.append(f"top class probability {max(probs.values()):.3f} < {self.min_confidence}")

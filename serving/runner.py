@@ -12,8 +12,21 @@ queue lines; the server's /classify answer uses the same ``verdict``) names the 
   the decision disagree. Numbers carry as many decimals as it takes to tell them apart;
 - ``model`` and ``model_version`` (the registry version, or the start of the model's sha256).
 
+A defect-type sorting card (``ModelCard.sorting``: no OK class, no threshold) fills the same row: ``decision``
+is the most likely class (the same as ``class``), ``defect_score`` is the graph's, that class's probability,
+``threshold`` is None, and ``reason`` says e.g. ``most likely class scratches at p=0.934 (defect-type
+sorting: no OK class, no threshold)`` (``sorting_verdict``).
+
 A row that was not scored (an unreadable or skipped file) has no score, threshold or reason: ``error``
 says why.
+
+A model marked for review, its card's ``operating_point`` status "below target" (the evaluate stage could not
+reach the recall target under the false-alarm ceiling; export then also marks it not deployable, so that
+promotion and the recommended variant pass it by), still loads and runs: a person may choose to run it. A
+card not deployable for another reason (a variant that failed export's parity gate: its scores are not the
+model's) is refused unless ``force``. Either way a loaded model that is not deployable or below target gets a
+loud warning at load naming the card, the recall the model reaches and its target (``review_warning``;
+``Runner.warning``).
 """
 
 from __future__ import annotations
@@ -223,9 +236,9 @@ class Prediction:
     path: str
     label: str | None = None  # the most likely class, None when the image could not be read
     probs: dict[str, float] | None = None
-    defect_score: float | None = None  # 1 - p(ok), in [0, 1]
-    threshold: float | None = None  # the model card's; defect_score >= threshold -> "defect"
-    decision: str | None = None  # "defect" or "ok"
+    defect_score: float | None = None  # 1 - p(ok), in [0, 1]; sorting: the most likely class's probability
+    threshold: float | None = None  # the model card's; defect_score >= threshold -> "defect"; sorting: None
+    decision: str | None = None  # "defect" or "ok"; sorting: the most likely class
     reason: str = ""  # the comparison that decided, and why the class disagrees when it does
     model: str = ""  # the card's registered model name
     model_version: str = ""  # registry version, or the start of the model's sha256
@@ -251,6 +264,50 @@ def verdict(score: float, threshold: float, label: str, ok_class: str) -> tuple[
     if (decision == "ok") != (label == ok_class):
         reason += f", although the most likely class is {label}"
     return decision, reason
+
+
+def sorting_verdict(label: str, p: float) -> tuple[str, str]:
+    """(decision, reason) of one image under a defect-type sorting card: the most likely class ``label``,
+    whose probability is ``p``; there is no threshold to compare with."""
+    return label, f"most likely class {label} at p={p:.3f} (defect-type sorting: no OK class, no threshold)"
+
+
+def _figure(value: object) -> str:
+    """An operating-point figure for a log line: numbers with 3 decimals, anything else as written."""
+    is_number = isinstance(value, int | float) and not isinstance(value, bool)
+    return f"{value:.3f}" if is_number else str(value)
+
+
+def below_target(card: ModelCard) -> bool:
+    """Whether the card's operating point says the model misses its recall target under the false-alarm
+    ceiling (the evaluate stage's ``status``): a model marked for review, which still runs."""
+    return card.operating_point.get("status") == "below target"
+
+
+def review_warning(card: ModelCard, where: str) -> str:
+    """Why a person should review this model before trusting its decisions ('' when nothing says so): its
+    operating point is below target, or the card marks it not deployable. Names ``where`` (the card file), the
+    val recall the model reaches and the target, and the operating point's own warnings."""
+    op = card.operating_point
+    what = ["its operating point is below target"] if below_target(card) else []
+    if not card.deployable:
+        what.append(f"its card marks it not deployable ({card.not_deployable_reason})")
+    if not what:
+        return ""
+    figures = ""
+    if op:
+        figures = (
+            f": val defect recall {_figure(op.get('val_defect_recall', 'unknown'))} against the target "
+            f"{_figure(op.get('target_defect_recall', 'unknown'))}, val false alarm rate "
+            f"{_figure(op.get('val_false_alarm_rate', 'unknown'))} against the ceiling "
+            f"{_figure(op.get('max_false_alarm_rate', 'unknown'))}"
+        )
+    warnings = op.get("warnings")
+    notes = "".join(f"; {w}" for w in warnings if isinstance(w, str)) if isinstance(warnings, list) else ""
+    return (
+        f"MODEL MARKED FOR REVIEW: {where}: {' and '.join(what)}{figures}{notes}. It runs as asked: review its "
+        "decisions before trusting them on a line"
+    )
 
 
 def session_options(threads: int = 0, spin: bool = True) -> ort.SessionOptions:
@@ -339,11 +396,14 @@ class Runner:
         warning = check_card_against_graph(self.card, metadata, str(card_file), str(self.model_path))
         if warning:
             log.warning("%s", warning)
-        if not self.card.deployable and not force:
+        if not self.card.deployable and not force and not below_target(self.card):
             raise RunnerError(
                 f"{self.model_path}: the model card marks variant {self.card.variant!r} not deployable "
                 f"({self.card.not_deployable_reason}); pass force to load it anyway"
             )
+        self.warning = review_warning(self.card, str(card_file))  # '' when nothing asks for review
+        if self.warning:
+            log.warning("%s", self.warning)
         self.providers = self.session.get_providers()
         log.info("model %s (%s), providers in use: %s", self.card.name, self.card.variant, self.providers)
         self.input_name = self.session.get_inputs()[0].name
@@ -446,8 +506,12 @@ class Runner:
         return load_image(source, spec.size, spec.channels, spec.resize, max_pixels)
 
     def decide(self, probs: np.ndarray, score: float) -> tuple[str, str, str]:
-        """(class, decision, reason) of one image's (K,) probabilities and defect score (``verdict``)."""
-        label = self.card.classes[int(np.argmax(probs))]
+        """(class, decision, reason) of one image's (K,) probabilities and defect score (``verdict``, or for a
+        sorting card ``sorting_verdict``)."""
+        top = int(np.argmax(probs))
+        label = self.card.classes[top]
+        if self.card.sorting:
+            return label, *sorting_verdict(label, float(probs[top]))
         return label, *verdict(score, self.card.threshold, label, self.card.ok_class)
 
     def predict_files(self, paths: Iterable[str | Path], batch_size: int = 16) -> Iterator[Prediction]:
@@ -516,5 +580,7 @@ __all__ = [
     "RunnerError",
     "open_runner",
     "resolve_providers",
+    "review_warning",
+    "sorting_verdict",
     "verdict",
 ]

@@ -5,7 +5,8 @@ Lifecycle (as in KServe's model server): load -> verify the card -> warm up -> b
   GET  /v2/health/live                       200 while the process runs
   GET  /v2/health/ready                      200 once the model is loaded and warmed up
   GET  /v2                                   server metadata (name, version, extensions)
-  GET  /v2/models/{name}[/versions/{v}]      model metadata: input/output tensors, classes, threshold
+  GET  /v2/models/{name}[/versions/{v}]      model metadata: input/output tensors, classes, threshold,
+                                             the card's operating point (when it has one)
   GET  /v2/models/{name}[/versions/{v}]/ready
   POST /v2/models/{name}[/versions/{v}]/infer     v2 tensors in (JSON or binary extension); out: probs,
                                              defect_score, class, decision, reason; threshold in parameters
@@ -18,7 +19,10 @@ Both scoring endpoints name the card's threshold and the rule that decided (``se
 score 0.310 >= the card's threshold 0.070 -> defect, although the most likely class is ok``) with
 ``model_name`` and ``model_version``; /infer returns the same per image as the tensors ``defect_score``,
 ``class``, ``decision`` and ``reason`` (v2 BYTES), and the threshold, OK class and rule as the response's
-``parameters``.
+``parameters``. A defect-type sorting card (no OK class, no threshold) answers the same fields: the decision
+is the most likely class, ``defect_score`` its probability, ``threshold`` null in /classify, and /infer's
+parameters are ``decision_rule`` (``SORTING_RULE``) and ``sorting: true``, with no threshold or OK class.
+The Prometheus counter ``defect_runner_images`` counts images by decision: defect and ok, or each class.
 
 Concurrent requests are batched (serving.batcher). Every malformed request gets a 4xx with a JSON
 ``{"error": ...}`` naming what was wrong; the server keeps serving. With a token (``DEFECT_RUNNER_TOKEN``
@@ -97,12 +101,15 @@ from serving.protocol import (
     split_body,
 )
 from serving.review import ReviewQueue, ReviewRule
-from serving.runner import TILE_CHUNK, Runner, RunnerError, open_runner, verdict
+from serving.runner import TILE_CHUNK, Runner, RunnerError, open_runner
 
 log = logging.getLogger(__name__)
 
 OUTPUTS = ["probs", "defect_score", "class", "decision", "reason"]  # /infer's, in this order
 DECISION_RULE = "decision is defect when defect_score >= threshold (the model card's), else ok"
+SORTING_RULE = (
+    "decision is the most likely class, defect_score its probability (defect-type sorting: no OK class, no threshold)"
+)
 OPEN_PATHS = ("/v2/health/live", "/v2/health/ready", "/metrics")
 
 
@@ -206,16 +213,23 @@ def model_metadata(runner: Runner) -> dict[str, Any]:
         ],
         "parameters": {
             "classes": card.classes,
-            "ok_class": card.ok_class,
-            "threshold": card.threshold,
-            "decision_rule": DECISION_RULE,
+            **decision_parameters(card),
             "variant": card.variant,
             "architecture": card.architecture,
             "resize": card.input.resize,
             "providers": runner.providers,
             **tile_parameters(card),
+            **({"operating_point": card.operating_point} if card.operating_point else {}),
         },
     }
+
+
+def decision_parameters(card: ModelCard) -> dict[str, Any]:
+    """How the card decides, as v2 parameters: its threshold, OK class and rule; for a sorting card the rule
+    alone and ``sorting: true`` (v2 parameter values are never null)."""
+    if card.sorting:
+        return {"decision_rule": SORTING_RULE, "sorting": True}
+    return {"threshold": card.threshold, "ok_class": card.ok_class, "decision_rule": DECISION_RULE}
 
 
 def tile_parameters(card: ModelCard) -> dict[str, Any]:
@@ -618,15 +632,14 @@ class V2Endpoints:
             del body
             res = await self.run_batch(submit, req.tensor, deadline)
         used: Runner = res.tag
-        card, probs, scores = used.card, res.outputs["probs"], res.outputs["defect_score"]
-        labels = [card.classes[i] for i in np.argmax(probs, axis=1)]
-        verdicts = [verdict(float(s), card.threshold, c, card.ok_class) for s, c in zip(scores, labels, strict=True)]
-        decisions = [d for d, _ in verdicts]
-        self.metrics.images.labels("defect").inc(decisions.count("defect"))
-        self.metrics.images.labels("ok").inc(decisions.count("ok"))
-        strings = {"class": labels, "decision": decisions, "reason": [r for _, r in verdicts]}
+        probs, scores = res.outputs["probs"], res.outputs["defect_score"]
+        decided = [used.decide(p, float(s)) for p, s in zip(probs, scores, strict=True)]  # (class, decision, reason)
+        decisions = [d for _, d, _ in decided]
+        for d in used.card.decisions:
+            self.metrics.images.labels(d).inc(decisions.count(d))
+        strings = {"class": [c for c, _, _ in decided], "decision": decisions, "reason": [r for _, _, r in decided]}
         outputs = res.outputs | {k: np.array(v, dtype=object) for k, v in strings.items()}
-        parameters = {"threshold": card.threshold, "ok_class": card.ok_class, "decision_rule": DECISION_RULE}
+        parameters = decision_parameters(used.card)
         content, header_len = infer_response(self.holder.name, used.version, req, outputs, parameters)
         if header_len is None:
             return Response(content, media_type="application/json")

@@ -6,7 +6,8 @@ appended to a JSONL file (flushed line by line): the runner's row (``serving.run
 card's threshold, decision, class, ``reason``, model and version) with ``file`` and ``moved_to``. Then
 the image moves to ``done/`` or, when it cannot be read, to ``failed/`` with the reason in ``error``.
 Nothing is ever deleted. An image the model is unsure about (defect score within ``review_margin`` of the
-card's threshold, or top class probability below ``review_min_confidence``) is also copied to
+card's threshold, or top class probability below ``review_min_confidence``: for a defect-type sorting card,
+which has no threshold, the latter alone) is also copied to
 ``review/<predicted class>/`` and listed in ``review/queue.jsonl`` (its result row and its
 ``review_reasons``): a person moves wrong ones to the right class folder and adds the folder with
 ``defect ingest review/``, so the next retraining learns from exactly the images the model found hard.
