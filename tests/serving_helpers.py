@@ -1,7 +1,10 @@
-"""Start a real ``defect-runner serve`` process for tests, and make model versions that differ."""
+"""Start a real ``defect-runner serve`` process for tests, make model versions that differ, and build tiny
+hand-made models with the runner's contract (binary, or defect-type sorting) without pipeline/ code."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import shutil
 import signal
@@ -9,13 +12,27 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import onnx
 import requests
 from onnx import TensorProto, helper
+from PIL import Image
 
-from serving.card import ModelCard, card_path_for, sha256_file
+from serving.card import (
+    METADATA_CARD,
+    METADATA_CARD_SHA256,
+    SORTING_OUTPUTS,
+    InputSpec,
+    ModelCard,
+    card_path_for,
+    card_sha256,
+    sha256_file,
+)
+from serving.review import ReviewRule
+from serving.runner import Runner
+from serving.watch import Watcher
 from tests.conftest import ROOT, venv_env
 
 TOKEN = "line7-secret"
@@ -37,6 +54,103 @@ def runner_graph(nodes: list, init: list, name: str, side: int, classes: int = 3
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     onnx.checker.check_model(model)
     return model
+
+
+def share_graph(side: int, sorting: bool = False) -> onnx.ModelProto:
+    """(N, side, side, 3) uint8 -> ``probs`` (N, 3), the channel means over their sum (so a flat colour picks
+    them: (150, 60, 40) is p = (0.6, 0.24, 0.16)), and ``defect_score`` (N,): 1 - probs[:, 0] (class 0 is the
+    OK class) or, with ``sorting``, the most likely class's probability, as a defect-type sorting export."""
+    init = [
+        helper.make_tensor("tiny", TensorProto.FLOAT, [], [1e-6]),
+        helper.make_tensor("channels", TensorProto.INT64, [1], [1]),
+    ]
+    nodes = [
+        helper.make_node("Cast", ["image"], ["x"], to=TensorProto.FLOAT),
+        helper.make_node("ReduceMean", ["x"], ["means"], axes=[1, 2], keepdims=0),
+        helper.make_node("ReduceSum", ["means", "channels"], ["total"], keepdims=1),
+        helper.make_node("Add", ["total", "tiny"], ["safe"]),
+        helper.make_node("Div", ["means", "safe"], ["probs"]),
+    ]
+    if sorting:
+        nodes.append(helper.make_node("ReduceMax", ["probs"], ["defect_score"], axes=[1], keepdims=0))
+    else:
+        init += [
+            helper.make_tensor("one", TensorProto.FLOAT, [], [1.0]),
+            helper.make_tensor("ok", TensorProto.INT64, [], [0]),
+        ]
+        nodes += [
+            helper.make_node("Gather", ["probs", "ok"], ["p_ok"], axis=1),
+            helper.make_node("Sub", ["one", "p_ok"], ["defect_score"]),
+        ]
+    return runner_graph(nodes, init, "share_sorting" if sorting else "share", side)
+
+
+def share_card(side: int, threshold: float, **fields) -> ModelCard:
+    """A binary card for ``share_graph(side)``: classes ok (the OK class, column 0), scratch and dent."""
+    return ModelCard(
+        name="shares",
+        architecture="share",
+        classes=["ok", "scratch", "dent"],
+        ok_class="ok",
+        input=InputSpec(side, 3, "letterbox"),
+        threshold=threshold,
+        **fields,
+    )
+
+
+def sorting_card(side: int, classes: list[str], **fields) -> ModelCard:
+    """A defect-type sorting card for ``share_graph(side, sorting=True)``: no OK class, no threshold."""
+    return ModelCard(
+        name="steel-sorter",
+        architecture="share",
+        classes=classes,
+        ok_class=None,
+        input=InputSpec(side, 3, "letterbox"),
+        threshold=None,
+        outputs=dict(SORTING_OUTPUTS),
+        **fields,
+    )
+
+
+def flat_images(folder: Path, colours: dict[str, tuple[int, int, int]], side: int) -> dict[str, Path]:
+    """``folder/<name>.png`` for each name: ``side`` px of one flat colour, which picks ``share_graph``'s
+    probabilities."""
+    folder.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for name, rgb in colours.items():
+        out[name] = folder / f"{name}.png"
+        Image.new("RGB", (side, side), rgb).save(out[name])
+    return out
+
+
+def watch_once(runner: Runner, images: Iterable[Path], folder: Path, rule: ReviewRule) -> tuple[dict, list, list]:
+    """``images`` copied into an inbox under ``folder`` and watched once: the watcher's counts, its result
+    rows and its review queue's rows."""
+    inbox, out = folder / "inbox", folder / "out"
+    inbox.mkdir(parents=True)
+    for p in images:
+        shutil.copy(p, inbox / p.name)
+    watcher = Watcher(runner, inbox, out / "results.jsonl", out / "done", out / "failed", out / "review", rule, 0.0)
+    counts = watcher.run(once=True)
+
+    def rows(path: Path) -> list[dict]:
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+    return counts, rows(out / "results.jsonl"), rows(out / "review/queue.jsonl")
+
+
+def save_carded(model: onnx.ModelProto, card: ModelCard, path: Path) -> Path:
+    """``model`` saved at ``path`` with ``card`` bound to it as export binds them (``serving.card``): the card
+    in the ONNX metadata with the sha256 of its canonical JSON, and the sidecar with the file's sha256."""
+    embedded = card.as_dict()
+    embedded.pop("sha256")
+    helper.set_model_props(
+        model, {METADATA_CARD: json.dumps(embedded, sort_keys=True), METADATA_CARD_SHA256: card_sha256(card)}
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+    dataclasses.replace(card, sha256=sha256_file(path)).write(card_path_for(path))
+    return path
 
 
 def free_port() -> int:

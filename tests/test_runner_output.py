@@ -13,25 +13,20 @@ from __future__ import annotations
 import csv
 import json
 import re
-import shutil
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
 import tritonclient.http as triton
-from onnx import TensorProto, helper
-from PIL import Image
 
 from serving import cli
-from serving.card import InputSpec, ModelCard, card_path_for, sha256_file
+from serving.card import card_path_for, sha256_file
 from serving.review import ReviewRule
 from serving.runner import Runner, verdict
-from serving.watch import Watcher
 from tests.conftest import ROOT, load_default_params
-from tests.serving_helpers import Server, runner_graph
+from tests.serving_helpers import Server, flat_images, share_card, share_graph, watch_once
 
-CLASSES = ["ok", "scratch", "dent"]
 SIDE = 32
 # flat colours -> (class, defect score): the probabilities are the colour over its sum
 COLOURS = {
@@ -42,39 +37,11 @@ COLOURS = {
 }
 
 
-def share_graph() -> onnx.ModelProto:
-    """(N, SIDE, SIDE, 3) uint8 -> probs (N, 3) = channel means / their sum, defect_score (N,) = 1 - probs[:, 0]."""
-    init = [
-        helper.make_tensor("one", TensorProto.FLOAT, [], [1.0]),
-        helper.make_tensor("tiny", TensorProto.FLOAT, [], [1e-6]),
-        helper.make_tensor("ok", TensorProto.INT64, [], [0]),
-        helper.make_tensor("channels", TensorProto.INT64, [1], [1]),
-    ]
-    nodes = [
-        helper.make_node("Cast", ["image"], ["x"], to=TensorProto.FLOAT),
-        helper.make_node("ReduceMean", ["x"], ["means"], axes=[1, 2], keepdims=0),
-        helper.make_node("ReduceSum", ["means", "channels"], ["total"], keepdims=1),
-        helper.make_node("Add", ["total", "tiny"], ["safe"]),
-        helper.make_node("Div", ["means", "safe"], ["probs"]),
-        helper.make_node("Gather", ["probs", "ok"], ["p_ok"], axis=1),
-        helper.make_node("Sub", ["one", "p_ok"], ["defect_score"]),
-    ]
-    return runner_graph(nodes, init, "share", SIDE)
-
-
 def write_model(folder: Path, threshold: float) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     model = folder / "model.onnx"
-    onnx.save(share_graph(), str(model))
-    ModelCard(
-        name="shares",
-        architecture="share",
-        classes=CLASSES,
-        ok_class="ok",
-        input=InputSpec(SIDE, 3, "letterbox"),
-        threshold=threshold,
-        sha256=sha256_file(model),
-    ).write(card_path_for(model))
+    onnx.save(share_graph(SIDE), str(model))
+    share_card(SIDE, threshold, sha256=sha256_file(model)).write(card_path_for(model))
     return model
 
 
@@ -92,12 +59,7 @@ def lenient(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def images(tmp_path_factory) -> dict[str, Path]:
-    folder = tmp_path_factory.mktemp("images")
-    out = {}
-    for name, (rgb, _, _) in COLOURS.items():
-        out[name] = folder / f"{name}.png"
-        Image.new("RGB", (SIDE, SIDE), rgb).save(out[name])
-    return out
+    return flat_images(tmp_path_factory.mktemp("images"), {n: rgb for n, (rgb, _, _) in COLOURS.items()}, SIDE)
 
 
 def assert_explained(row: dict, threshold: float, version: str) -> None:
@@ -179,15 +141,9 @@ def test_cli_predict_csv_and_jsonl_carry_threshold_reason_and_version(strict, im
 
 def test_watch_results_and_review_queue_entries_carry_threshold_and_reason(strict, images, tmp_path):
     runner = Runner(strict, providers="cpu")
-    inbox, out = tmp_path / "inbox", tmp_path / "out"
-    inbox.mkdir()
-    for p in images.values():
-        shutil.copy(p, inbox / p.name)
     rule = ReviewRule(margin=1.0, min_confidence=0.0)  # every image queued
-    watcher = Watcher(runner, inbox, out / "results.jsonl", out / "done", out / "failed", out / "review", rule, 0.0)
-    assert watcher.run(once=True) == {"done": 4, "failed": 0, "review": 4, "skipped": 0}
-    results = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    queue = [json.loads(line) for line in (out / "review/queue.jsonl").read_text().splitlines()]
+    counts, results, queue = watch_once(runner, images.values(), tmp_path, rule)
+    assert counts == {"done": 4, "failed": 0, "review": 4, "skipped": 0}
     assert len(results) == 4 and len(queue) == 4
     for row in results + queue:
         assert_explained({**row, "path": row["file"]}, 0.3, runner.version)
@@ -229,9 +185,12 @@ def test_v2_infer_returns_class_decision_and_reason_with_the_threshold_as_a_para
     assert meta["parameters"]["threshold"] == 0.3 and "defect_score >= threshold" in meta["parameters"]["decision_rule"]
     x = np.stack([np.full((SIDE, SIDE, 3), rgb, np.uint8) for rgb, _, _ in COLOURS.values()])
     body = {"inputs": [{"name": "image", "shape": list(x.shape), "datatype": "UINT8", "data": x.ravel().tolist()}]}
+    before = {d: server.metric("defect_runner_images_total", decision=d) for d in ("defect", "ok")}
     r = server.post("/v2/models/shares/infer", json=body)
     assert r.status_code == 200, r.text
     answer = r.json()
+    after = {d: server.metric("defect_runner_images_total", decision=d) for d in ("defect", "ok")}
+    assert {d: after[d] - before[d] for d in after} == {"defect": 3, "ok": 1}  # counted by decision
     assert answer["parameters"]["threshold"] == 0.3 and answer["parameters"]["ok_class"] == "ok"
     assert answer["model_version"] == runner.version
     out = {o["name"]: o for o in answer["outputs"]}
