@@ -61,6 +61,7 @@ Bool = Annotated[bool, Strict()]  # true or false only
 Str = Annotated[str, BeforeValidator(_yaml_word), Strict()]  # false and 0.5 stay the words "false", "0.5"
 Variant = Literal["fp32", "fp16", "int8"]  # the export's ONNX variants
 SYNTHETIC_CLASSES = ("ok", "scratch", "spot", "crack")  # pipeline/data/synthetic.py's CLASSES (config imports none)
+NO_OK_CLASS = "none"  # data.ok_class for defect-type sorting: every class is a defect type, no threshold
 
 T = TypeVar("T")
 
@@ -81,7 +82,7 @@ class SyntheticConfig:
 @section
 class DataConfig:
     source: Str  # "synthetic" or a folder with one subfolder per class
-    ok_class: Str  # the class that means "no defect"
+    ok_class: Str  # the class that means "no defect"; "none" (NO_OK_CLASS): defect-type sorting, no OK class
     channels: Annotated[Literal[1, 3], BeforeValidator(_exact_int)]  # channels the model sees; images are converted
     seed: Int
     synthetic: SyntheticConfig
@@ -180,8 +181,8 @@ class TilesConfig:
 
 @section
 class EvaluateConfig:
-    target_defect_recall: Float  # the threshold is chosen on the val split to reach this recall
-    max_false_alarm_rate: Float  # also reported: test recall at the val threshold that keeps this FAR
+    target_defect_recall: Float  # the card's threshold catches this share of val defects, if the ceiling allows
+    max_false_alarm_rate: Float  # the ceiling: the card's threshold never flags more of the val OK images
     heatmaps_per_class: Int  # test images per class drawn with their Grad-CAM heatmap (0 = off)
 
 
@@ -200,10 +201,11 @@ class ExportConfig:
     max_abs_diff: Float  # fp32 ONNX vs PyTorch, on class probabilities
     variants: list[Variant]  # fp32 is always made
     int8: Int8Config
-    max_defect_recall_drop: Float  # a variant losing more defect recall than this vs fp32 is not deployable
+    max_defect_recall_drop: Float  # a variant losing more defect recall (sorting: any class's recall) is not deployable
     max_accuracy_drop: Float
     max_false_alarm_rise: Float  # the most the share of test OK images flagged at the card's threshold may rise
     min_speedup: dict[Variant, Float]  # per variant, batch-1 latency vs fp32 on this machine's provider
+    deploy_below_target: Bool  # an operating point below the recall target is deployable all the same
     latency_repeats: Int
 
 
@@ -220,7 +222,7 @@ class BenchmarkConfig:
 
 @section
 class PromoteRule:
-    metric: Literal["defect_recall", "false_alarm_rate", "accuracy", "binary_accuracy"]
+    metric: Literal["defect_recall", "false_alarm_rate", "accuracy", "binary_accuracy", "min_class_recall"]
     better: Literal["higher", "lower"]
     tolerance: Float  # differences up to this are a tie; the next rule decides
 
@@ -230,8 +232,9 @@ class PromoteConfig:
     model_name: Str  # the registered model in the MLflow model registry
     provider: Literal["cuda", "cpu"]  # whose recommended export variant is registered (the line's runners)
     rules: list[PromoteRule]  # in order; the first rule that is not a tie decides
+    sorting_rules: list[PromoteRule]  # the same, for defect-type sorting (data.ok_class: none)
     promote_on_tie: Bool  # when every rule ties: move the champion to the newer model or keep it
-    refuse_false_alarm_rate: Float  # above this a model does not discriminate: never promoted, loses its title
+    refuse_false_alarm_rate: Float  # flagging more OK images than this at its own threshold: never champion
 
 
 @section
@@ -325,7 +328,21 @@ def params_from_dict(raw: dict, source_file: str = "params.yaml", derived: bool 
 
 def _problems(p: Params) -> list[str]:
     """The rules that a type alone cannot say, one line each."""
-    return [*_data_problems(p), *_train_problems(p.train), *_tiles_problems(p), *_output_problems(p)]
+    problems = [*_data_problems(p), *_train_problems(p.train), *_tiles_problems(p), *_output_problems(p)]
+    return problems + (_sorting_problems(p) if p.data.ok_class == NO_OK_CLASS else [])
+
+
+def _sorting_problems(p: Params) -> list[str]:
+    """Defect-type sorting has no OK class: the levers that rank defects against OK images do not apply."""
+    problems = []
+    if p.train.ranking_loss:
+        problems.append("train.ranking_loss: ranks defects above OK images; with data.ok_class: none set it to 0")
+    if p.train.monitor in ("val_recall_at_far", "val_auc"):
+        problems.append(
+            f"train.monitor: {p.train.monitor} scores defects against OK images; with data.ok_class: none use "
+            "last or val_loss"
+        )
+    return problems
 
 
 def _data_problems(p: Params) -> list[str]:
@@ -335,7 +352,7 @@ def _data_problems(p: Params) -> list[str]:
     if p.prepare.image_size < 32:
         problems.append(f"prepare.image_size: must be at least 32 (EfficientNet), got {p.prepare.image_size}")
     counts = p.data.synthetic.counts
-    if p.data.source == "synthetic" and p.data.ok_class not in counts:
+    if p.data.source == "synthetic" and p.data.ok_class not in {*counts, NO_OK_CLASS}:
         problems.append(f"data.ok_class: {p.data.ok_class!r} is not a class of data.synthetic.counts")
     if p.data.source == "synthetic" and (set(counts) - set(SYNTHETIC_CLASSES) or min(counts.values(), default=0) < 0):
         problems.append(
@@ -448,14 +465,27 @@ def _output_problems(p: Params) -> list[str]:
     problems = []
     if not 0 < p.evaluate.target_defect_recall <= 1:
         problems.append("evaluate.target_defect_recall: must be in (0, 1]")
+    if not 0 < p.evaluate.max_false_alarm_rate < 1:
+        problems.append(f"evaluate.max_false_alarm_rate: a share in (0, 1), got {p.evaluate.max_false_alarm_rate}")
     if p.evaluate.heatmaps_per_class < 0:
         problems.append("evaluate.heatmaps_per_class: must be >= 0 (0 = no heatmaps)")
     if not p.benchmark.batch_sizes or min(p.benchmark.batch_sizes) < 1:
         problems.append(f"benchmark.batch_sizes: at least one, each at least 1; got {p.benchmark.batch_sizes}")
     if not p.promote.rules:
         problems.append("promote.rules: at least one rule (e.g. {metric: defect_recall, better: higher, tolerance: 0})")
-    if any(r.tolerance < 0 for r in p.promote.rules):
-        problems.append("promote.rules: every tolerance must be >= 0")
+    if not p.promote.sorting_rules:
+        problems.append(
+            "promote.sorting_rules: at least one rule (e.g. {metric: accuracy, better: higher, tolerance: 0})"
+        )
+    for key in ("rules", "sorting_rules"):
+        if any(r.tolerance < 0 for r in getattr(p.promote, key)):
+            problems.append(f"promote.{key}: every tolerance must be >= 0")
+    binary_only = {"defect_recall", "false_alarm_rate", "binary_accuracy"}
+    if any(r.metric in binary_only for r in p.promote.sorting_rules):
+        problems.append(
+            f"promote.sorting_rules: without an OK class there is no {'/'.join(sorted(binary_only))}; "
+            "use min_class_recall and accuracy"
+        )
     if not 0 < p.promote.refuse_false_alarm_rate <= 1:
         problems.append(f"promote.refuse_false_alarm_rate: must be in (0, 1], got {p.promote.refuse_false_alarm_rate}")
     return problems

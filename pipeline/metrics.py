@@ -5,6 +5,8 @@ A defect score is ``1 - p(ok)``; an image is flagged when its score is at or abo
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from scipy.stats import rankdata
 
@@ -148,3 +150,63 @@ def classification_metrics(probs: np.ndarray, labels: np.ndarray, classes: list[
             "support": int(cm[i].sum()),
         }
     return {"accuracy": float((pred == labels).mean()), "per_class": per_class}, cm
+
+
+def _logit(p: float) -> float:
+    p = min(max(p, 1e-7), 1 - 1e-7)
+    return math.log(p / (1 - p))
+
+
+def operating_point(
+    scores: np.ndarray,
+    is_defect: np.ndarray,
+    target_recall: float,
+    max_false_alarm_rate: float,
+    weights: np.ndarray | None = None,
+) -> dict:
+    """The card's threshold, chosen on val: it never flags more than ``max_false_alarm_rate`` of the OK
+    images (the line's ceiling) and catches ``target_recall`` of the defects where the ceiling allows.
+
+    ``recall_cut`` (``choose_threshold``) is the highest threshold meeting the recall target, ``ceiling_cut``
+    (``threshold_for_false_alarms``) the lowest within the ceiling. When ``ceiling_cut <= recall_cut`` every
+    threshold between them meets both on val, and the card takes their middle in logit space: a margin on
+    both sides for the images the line sends next ("meets target"). Otherwise no threshold meets both: the
+    card takes ``ceiling_cut``, the status is "below target" and ``val_defect_recall`` says what the model
+    does catch there. ``weights``: ``group_weights`` (each near-duplicate part counts once)."""
+    w = _weights(len(is_defect), weights)
+    recall_cut = choose_threshold(scores, is_defect, target_recall, w)
+    ceiling_cut = threshold_for_false_alarms(scores[~is_defect], max_false_alarm_rate, w[~is_defect])
+    meets = ceiling_cut <= recall_cut
+    if meets:
+        threshold = 1 / (1 + math.exp(-(_logit(recall_cut) + _logit(ceiling_cut)) / 2))
+        threshold = min(max(threshold, ceiling_cut), recall_cut)  # the clamp only guards float rounding
+    else:
+        threshold = ceiling_cut
+    flagged = scores >= threshold
+    return {
+        "status": "meets target" if meets else "below target",
+        "threshold": float(threshold),
+        "target_defect_recall": target_recall,
+        "max_false_alarm_rate": max_false_alarm_rate,
+        "val_defect_recall": float(w[is_defect & flagged].sum() / w[is_defect].sum()),
+        "val_false_alarm_rate": float(w[~is_defect & flagged].sum() / w[~is_defect].sum()),
+        "recall_cut": recall_cut,
+        "ceiling_cut": ceiling_cut,
+    }
+
+
+def small_split_warnings(n_defect: int, n_ok: int, target_recall: float, max_false_alarm_rate: float) -> list[str]:
+    """Why a val-chosen threshold may not hold: too few images to resolve the recall target or the
+    false-alarm ceiling (one image is then more than the share the target or the ceiling leaves)."""
+    warnings = []
+    if n_defect * (1 - target_recall) < 1:
+        warnings.append(
+            f"the val split has {n_defect} defect parts: one is {1 / max(n_defect, 1):.1%} of recall, so the "
+            f"{target_recall:.0%} target means missing none of them; the test and the line can miss more"
+        )
+    if n_ok * max_false_alarm_rate < 1:
+        warnings.append(
+            f"the val split has {n_ok} OK parts: one is {1 / max(n_ok, 1):.1%} of false alarms, so the "
+            f"{max_false_alarm_rate:.0%} ceiling means flagging none of them; the test and the line can flag more"
+        )
+    return warnings

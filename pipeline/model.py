@@ -114,15 +114,18 @@ class Ensemble(nn.Module):
 
 
 class ExportHead(nn.Module):
-    """What the ONNX graph computes: probabilities (N, K) and defect score (N,) = 1 - p(ok)."""
+    """What the ONNX graph computes: probabilities (N, K) and defect score (N,) = 1 - p(ok); without an OK
+    class (``ok_index`` None: defect-type sorting) the second output is the most likely class's probability."""
 
-    def __init__(self, net: DefectNet, ok_index: int) -> None:
+    def __init__(self, net: DefectNet, ok_index: int | None) -> None:
         super().__init__()
         self.net = net
         self.ok_index = ok_index
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         probs = self.net(x).float().softmax(dim=1)
+        if self.ok_index is None:
+            return probs, probs.amax(dim=1)
         return probs, 1.0 - probs[:, self.ok_index]
 
 

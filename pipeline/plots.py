@@ -131,7 +131,12 @@ def variants_plot(report: dict, path: Path) -> None:
     names = list(report)
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4))
     x = np.arange(len(names))
-    for k, (key, label) in enumerate([("accuracy", "accuracy"), ("defect_recall", "defect recall")]):
+    second = (
+        ("defect_recall", "defect recall")
+        if "defect_recall" in report["fp32"]
+        else ("min_class_recall", "worst class recall")
+    )
+    for k, (key, label) in enumerate([("accuracy", "accuracy"), second]):
         bars = left.bar(x + (k - 0.5) * 0.38, [report[n][key] for n in names], 0.38, label=label)
         left.bar_label(bars, fmt="%.3f", fontsize=7)
     left.set_xticks(x, names)

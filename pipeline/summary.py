@@ -41,8 +41,9 @@ def _data_line(prepared: dict | None, params: dict) -> str | None:
         return None
     splits = {name: sum(counts.values()) for name, counts in prepared["splits"].items()}
     defects = [c for c in prepared["classes"] if c != prepared["ok_class"]]
+    ok = "no OK class (defect-type sorting), " if prepared["ok_class"] is None else f"{prepared['ok_class']} + "
     return (
-        f"data:      {params['data']['source']}: {sum(splits.values())} images, {prepared['ok_class']} + "
+        f"data:      {params['data']['source']}: {sum(splits.values())} images, {ok}"
         f"{len(defects)} defect classes ({', '.join(defects)}); "
         + " / ".join(f"{n} {name}" for name, n in splits.items())
     )
@@ -60,14 +61,39 @@ def _model_line(recipe: dict | None, train: dict | None, params: dict) -> str | 
     return f"model:     {what}{took} ({train['device']}, {train['precision']}, {train['train_images']} images)"
 
 
-def _test_lines(ev: dict, params: dict) -> list[str]:
-    target = params["evaluate"]["target_defect_recall"]
+def _test_lines(ev: dict) -> list[str]:
+    if ev["threshold"] is None:  # defect-type sorting
+        return [
+            f"test:      {ev['test_images']} images: accuracy {ev['accuracy']:.3f}, worst class recall "
+            f"{ev['min_class_recall']:.3f} (the most likely class decides: no OK class, no threshold)"
+        ]
+    p = ev["operating_point"]
+    ceiling, target = p["max_false_alarm_rate"], p["target_defect_recall"]
+    if p["status"] == "meets target":
+        how = [
+            f"threshold: {ev['threshold']:.3f} (the card's): on val {p['val_defect_recall']:.1%} of defects "
+            f"caught within the {ceiling:.0%} false-alarm ceiling"
+        ]
+    else:
+        how = [
+            f"threshold: {ev['threshold']:.3f} (the card's): BELOW TARGET, MARKED FOR REVIEW (not deployable)",
+            f"           at the {ceiling:.0%} false-alarm ceiling it catches only {p['val_defect_recall']:.1%} of "
+            f"val defects (target {target:.0%})",
+        ]
+    small = (
+        [
+            f"warning:   a small val split ({p.get('val_defect_parts')} defect, {p.get('val_ok_parts')} OK parts) set "
+            "the threshold: reports/evaluate/metrics.json"
+        ]
+        if p["warnings"]
+        else []
+    )
     return [
         f"test:      {ev['test_images']} images: accuracy {ev['accuracy']:.3f}, "
         f"defect-vs-OK ROC AUC {ev['roc_auc']:.3f}",
-        f"threshold: {ev['threshold']:.3f} (the card's), the highest that catches {target:.0%} of val defects "
-        "(evaluate.target_defect_recall)",
+        *how,
         f"at it:     catches {ev['defect_recall']:.1%} of test defects, flags {ev['false_alarm_rate']:.1%} of OK parts",
+        *small,
     ]
 
 
@@ -77,19 +103,20 @@ def lines(reports: Path = Path("reports"), root: Path = Path()) -> list[str]:
     out = [_data_line(_read(root / "data/prepared/prepare.json"), params), _model_line(recipe, train, params)]
     ev = _read(reports / "evaluate/metrics.json")
     if ev:
-        out += _test_lines(ev, params)
+        out += _test_lines(ev)
     ex = _read(reports / "export/variants.json")
     if ex:
         ok = [v for v, r in ex["variants"].items() if r["deployable"]]
-        out.append(
-            f"exported:  {', '.join(ok) or 'no variant'} deployable; GPU boxes get {ex['recommended'].get('cuda')}"
-        )
+        gpu = f"GPU boxes get {ex['recommended'].get('cuda')}" if ex["recommended"] else "nothing to ship"
+        out.append(f"exported:  {', '.join(ok) or 'no variant'} deployable; {gpu}")
     d = _read(reports / "promote/decision.json")
     if d:
         c = d["challenger"]
         verdict = "now champion" if d["promoted"] else f"stays challenger (champion: version {d['champion_after']})"
         if d.get("comparable") is False:  # another class set: refused before registering
             out.append(f"registry:  not registered under {d['model_name']}: another product's classes")
+        elif d.get("registered") is False:  # export marked no variant deployable
+            out.append(f"registry:  not registered under {d['model_name']}: no deployable variant")
         else:
             out.append(f"registry:  {d['model_name']} version {c['version']} ({c['variant']}) {verdict}")
         out.append(f"because:   {d['reason']}")
@@ -98,9 +125,15 @@ def lines(reports: Path = Path("reports"), root: Path = Path()) -> list[str]:
     uri = params.get("mlflow", {}).get("tracking_uri", "sqlite:///mlflow.db")
     if not out:
         return ["no stage has written its report yet: run `dvc repro`"]
+    registered = not d or d.get("registered", True)
+    serve = (
+        f"defect-runner serve --model models:/{name}@champion --tracking-uri {uri}"
+        if registered
+        else "defect-runner serve --model models/export/model.onnx --force  (this model is marked for review)"
+    )
     return out + [
         "reports:   reports/evaluate/ (review.png: the images to look at first), `dvc metrics show`, MLflow: `make ui`",
-        f"serve it:  defect-runner serve --model models:/{name}@champion --tracking-uri {uri}",
+        f"serve it:  {serve}",
         "your data: defect check -S data.source=DIR, then defect exp --profile photographs -S data.source=DIR",
     ]
 

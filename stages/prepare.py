@@ -4,6 +4,7 @@ has defect masks (and ``tiles.use`` is auto), also the tile model's training til
 import json
 from pathlib import Path
 
+from pipeline.config import NO_OK_CLASS
 from pipeline.data.prepare import prepare
 from pipeline.data.tiling import tile_data
 from pipeline.data.validate import read_manifest
@@ -15,9 +16,8 @@ OUT, IMAGES, MASKS = Path("data/prepared"), Path("data/raw/images"), Path("data/
 def main(params):
     manifest = read_manifest(Path("data/validated/manifest.csv"))
     classes = sorted({r["label"] for r in manifest})
-    summary = prepare(
-        manifest, IMAGES, classes, params.data.ok_class, params.data.channels, params.prepare, OUT, masks_dir=MASKS
-    )
+    ok_class = None if params.data.ok_class == NO_OK_CLASS else params.data.ok_class  # None: defect-type sorting
+    summary = prepare(manifest, IMAGES, classes, ok_class, params.data.channels, params.prepare, OUT, masks_dir=MASKS)
     # None: the whole images alone (tiles.use off, no masks, one tile per photograph, or no tile covered by one)
     summary["tiles"], summary["tiles_reason"] = tile_data(
         params.tiles.use, OUT, IMAGES, MASKS, params.tiles.min_mask_pixels

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from pipeline.config import PromoteRule
-from pipeline.registry.promote import champion_classes, decide, other_product
+from pipeline.config import PromoteRule, params_from_dict
+from pipeline.registry.promote import champion_classes, decide, judge, other_product
 from serving.card import InputSpec, ModelCard
 from serving.registry import resolve
 from serving.runner import Runner
-from tests.conftest import run_stages_in, tiny_params
+from tests.conftest import load_default_params, run_stages_in, tiny_params
 
 RULES = [
     PromoteRule("defect_recall", "higher", 0.005),
@@ -46,6 +46,42 @@ def test_rules_decide_in_order(new, old, promoted, why):
 
 def test_a_tie_promotes_when_asked():
     assert decide(m(0.9, 0.1, 0.9), m(0.9, 0.1, 0.9), RULES, promote_on_tie=True)[0] is True
+
+
+def test_a_first_model_flagging_more_good_parts_than_the_bound_is_not_crowned():
+    """The case of a model ranking fairly whose threshold flagged 92% of the good parts: no champion yet
+    must not mean any model becomes one."""
+    params = params_from_dict(load_default_params())
+    assert params.promote.refuse_false_alarm_rate <= 0.05  # a line-acceptable default
+    crowned, why, _ = judge(params, None, None, "1", m(0.99, 0.92, 0.37), (), RULES)
+    assert not crowned and "no champion yet" in why and "not crowned" in why
+    crowned, why, _ = judge(params, None, None, "1", m(0.99, 0.01, 0.95), (), RULES)
+    assert crowned and why == "no champion yet: the first model becomes champion"
+
+
+SORTING_RULES = [PromoteRule("min_class_recall", "higher", 0.005), PromoteRule("accuracy", "higher", 0.0)]
+
+
+@pytest.mark.parametrize(
+    ("new", "old", "promoted", "why"),
+    [
+        (
+            {"min_class_recall": 0.95, "accuracy": 0.97},
+            {"min_class_recall": 0.90, "accuracy": 0.99},
+            True,
+            "min_class_recall better",
+        ),  # the worst class first: a line sorting into bins needs every bin
+        (
+            {"min_class_recall": 0.952, "accuracy": 0.97},
+            {"min_class_recall": 0.95, "accuracy": 0.98},
+            False,
+            "accuracy worse",
+        ),
+    ],
+)
+def test_defect_type_sorting_is_promoted_by_its_worst_class_then_accuracy(new, old, promoted, why):
+    got, reason = decide(new, old, SORTING_RULES, promote_on_tie=False, refuse_false_alarm_rate=0.05)
+    assert got is promoted and why in reason, reason
 
 
 def card_of(classes: list[str], ok_class: str = "ok") -> ModelCard:
@@ -138,6 +174,7 @@ def test_a_worse_model_stays_challenger_and_both_runs_record_it(registry_project
     params = tiny_params(**{"model.name": "test_efficientnet"})
     champion_run = json.loads((registry_project / "models/train/run.json").read_text())["run_id"]
     params["train"]["lr"] = 0.0
+    params["promote"]["refuse_false_alarm_rate"] = 0.95  # the champion, one epoch old, may flag many itself
     run_stages_in(registry_project, params, ["train", "evaluate", "export", "promote"])
     d = decision(registry_project)
     assert d["challenger"]["false_alarm_rate"] == 1.0

@@ -35,8 +35,15 @@ def test_the_summary_says_what_the_run_achieved_in_a_few_short_lines(tmp_path):
             "threshold": 0.0676,
             "defect_recall": 0.9783,
             "false_alarm_rate": 0.4421,
-            "defect_recall_at_far_threshold": 0.9565,
-            "false_alarm_rate_at_far_threshold": 0.0421,
+            "operating_point": {
+                "status": "below target",
+                "target_defect_recall": 0.99,
+                "max_false_alarm_rate": 0.01,
+                "val_defect_recall": 0.9123,
+                "val_defect_parts": 57,
+                "val_ok_parts": 140,
+                "warnings": ["the val split has 57 defect parts: ..."],
+            },
         },
     )
     variants = {"fp32": {"deployable": True}, "int8": {"deployable": False}}
@@ -55,12 +62,14 @@ def test_the_summary_says_what_the_run_achieved_in_a_few_short_lines(tmp_path):
     text = "\n".join(said)
     assert "1197 images, ok + 1 defect classes (scratch); 830 train / 180 val / 187 test" in text
     assert "tile model" in text and "trained in 4.2 min" in text  # 30 epochs x 830 images at 100 img/s
-    assert "threshold: 0.068 (the card's), the highest that catches 98% of val defects" in text
+    assert "threshold: 0.068 (the card's): BELOW TARGET, MARKED FOR REVIEW" in text
+    assert "at the 1% false-alarm ceiling it catches only 91.2% of val defects (target 99%)" in text
+    assert "warning:   a small val split (57 defect, 140 OK parts)" in text
     assert "97.8% of test defects" in text and "44.2% of OK parts" in text
     assert "fp32 deployable" in text and "int8" not in text.split("GPU boxes")[0]
     assert "version 3 (fp32) now champion\nbecause:   first model" in text
     assert "defect-runner serve --model models:/defect-detection@champion" in text
-    assert len(said) <= 12 and all(len(line) <= 120 for line in said)
+    assert len(said) <= 14 and all(len(line) <= 120 for line in said)
     md = write_summary(reports).read_text()  # what the promote stage writes and logs to MLflow
     assert md.startswith("# What this run achieved") and "97.8% of test defects" in md and "dvc metrics show" in md
 

@@ -42,7 +42,7 @@ def load_mask(masks_dir: Path, rel_path: str, size: int, resize: str) -> np.ndar
     return m > 127
 
 
-def mask_for(masks_dir: Path | None, row: dict, ok_class: str, size: int, resize: str) -> np.ndarray:
+def mask_for(masks_dir: Path | None, row: dict, ok_class: str | None, size: int, resize: str) -> np.ndarray:
     """(S, S) uint8 training target: 1 on the defect, 0 elsewhere; all 0 for an OK image (nothing to
     find there); all ``MASK_UNKNOWN`` for a defect image without a usable mask (a missing or empty file,
     or a defect too small to survive the resize: a defect image is never "all clear"), which the mask
@@ -92,13 +92,13 @@ def prepare(
     manifest: list[dict],
     images_dir: Path,
     classes: list[str],
-    ok_class: str,
+    ok_class: str | None,
     channels: int,
     cfg: PrepareConfig,
     out_dir: Path,
     masks_dir: Path | None = None,
 ) -> dict:
-    """``masks_dir``: the defect masks (``<class>/<stem>.png``, as ingest lays them out), if any; without a
+    """``ok_class`` None: defect-type sorting, every class a defect type. ``masks_dir``: the defect masks (``<class>/<stem>.png``, as ingest lays them out), if any; without a
     single defect mask there, no mask is known, OK images' included (nothing would teach where defects are)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     splits = assign_splits(manifest, cfg)
@@ -160,3 +160,9 @@ def load_groups(prepared_dir: Path, name: str) -> np.ndarray:
 
 def read_summary(prepared_dir: Path) -> dict:
     return json.loads((prepared_dir / "prepare.json").read_text())
+
+
+def ok_index(info: dict) -> int | None:
+    """The OK class's index in ``info["classes"]`` (prepare.json, a model's meta), None for defect-type
+    sorting (``data.ok_class: none``: prepare writes ``ok_class: null``)."""
+    return None if info["ok_class"] is None else info["classes"].index(info["ok_class"])

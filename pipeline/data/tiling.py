@@ -158,6 +158,8 @@ def tile_data(
     shutil.rmtree(prepared_dir / "tiles", ignore_errors=True)
     if use != "auto":
         return None, "tiles.use off"
+    if read_summary(prepared_dir)["ok_class"] is None:
+        return None, "tiles.use auto: no OK class (defect-type sorting): a tile without the defect has no label"
     if not masks_dir.is_dir() or not any(masks_dir.rglob("*.png")):
         return None, "tiles.use auto: the data has no defect masks"
     per_photo = tiles_per_photograph(prepared_dir, images_dir)

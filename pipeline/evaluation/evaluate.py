@@ -1,8 +1,11 @@
 """Evaluate: test-set metrics and the defect-vs-OK decision threshold (chosen on the val split).
 
 The runner's decision is ``defect_score >= threshold`` with ``defect_score = 1 - p(ok)``. The
-threshold is the highest one that still catches ``evaluate.target_defect_recall`` of the defects in
-the validation split; the test split then tells how that choice holds on unseen images.
+threshold never flags more than ``evaluate.max_false_alarm_rate`` of the val OK parts and catches
+``evaluate.target_defect_recall`` of the val defects where that ceiling allows; where it does not, the
+operating point is "below target" and the model is marked for review (``pipeline.metrics.operating_point``).
+The test split then tells how that choice holds on unseen images. Without an OK class (defect-type
+sorting) the most likely class decides and there is no threshold.
 """
 
 from __future__ import annotations
@@ -16,13 +19,13 @@ import numpy as np
 
 from pipeline.metrics import (
     binary_metrics,
-    choose_threshold,
     classification_metrics,
     cut_on_partitions,
     group_weights,
+    operating_point,
     redrawn_partitions,
     roc_auc,
-    threshold_for_false_alarms,
+    small_split_warnings,
 )
 from pipeline.plots import confusion_matrix_plot, plt
 
@@ -37,72 +40,65 @@ def evaluate(
     test_probs: np.ndarray,
     y_test: np.ndarray,
     classes: list[str],
-    ok_class: str,
+    ok_class: str | None,
     target_recall: float,
     out_dir: Path,
-    max_false_alarm_rate: float = 0.03,
+    max_false_alarm_rate: float = 0.01,
     val_groups: np.ndarray | None = None,
     test_groups: np.ndarray | None = None,
 ) -> dict:
     """Probabilities (N, K) of val and test -> metrics dict; writes metrics.json and plots to out_dir.
 
-    Two operating points, both chosen on the val split and measured on test: ``threshold`` catches
-    ``target_recall`` of val defects (the one the model card uses), ``far_threshold`` flags at most
-    ``max_false_alarm_rate`` of val OK images (how many defects does a line that tolerates that many
-    false alarms catch?). ROC AUC summarizes the separation independent of any threshold.
-    ``val_groups`` (the near-duplicate group of each val image): recall and false-alarm rate on val
-    count each group once (``group_weights``), so one part photographed many times does not set the cut.
+    The card's threshold (``threshold``) is chosen on the val split by ``operating_point``: never above
+    ``max_false_alarm_rate`` of the val OK parts, catching ``target_recall`` of the val defect parts where
+    that ceiling allows ("meets target"), else the ceiling's own cut ("below target", with the recall it
+    reaches). ``operating_point`` holds that choice, its val figures and the warnings of a small val split;
+    the test figures at the threshold (``defect_recall``, ``false_alarm_rate``) say how it holds on unseen
+    images. ROC AUC summarizes the separation independent of any threshold. ``val_groups`` (the
+    near-duplicate group of each val image): each group counts once (``group_weights``), so one part
+    photographed many times does not set the cut.
 
     ``redrawn_*``: the val and test images pooled and split again ``REDRAWN_SPLITS`` times by group, the
-    cut picked on the val-sized side as ``far_threshold`` is and judged on the other: the mean recall at
-    it, the share of splits within the false-alarm limit and the mean oracle (``cut_on_partitions``). On
-    small data these say how much of the test figure at ``far_threshold`` is this split's luck.
+    ceiling's cut picked on the val-sized side and judged on the other: the mean recall at it, the share of
+    splits within the ceiling and the mean oracle (``cut_on_partitions``). On small data these say how much
+    of a test figure is this split's luck.
+
+    ``ok_class`` None (defect-type sorting): ``sorting_metrics``, no threshold.
     """
+    if ok_class is None:
+        return sorting_metrics(test_probs, y_test, classes, out_dir)
     ok = classes.index(ok_class)
     val_scores, val_defect = 1 - val_probs[:, ok], y_val != ok
-    w = None if val_groups is None else group_weights(val_groups, val_defect)
-    threshold = choose_threshold(val_scores, val_defect, target_recall, w)
-    far_threshold = threshold_for_false_alarms(
-        val_scores[~val_defect], max_false_alarm_rate, None if w is None else w[~val_defect]
-    )
+    point = card_operating_point(val_scores, val_defect, val_groups, target_recall, max_false_alarm_rate)
+    threshold = point["threshold"]
     cls, cm = classification_metrics(test_probs, y_test, classes)
     test_scores = 1 - test_probs[:, ok]
     binary = binary_metrics(test_scores, y_test != ok, threshold)
-    at_far = binary_metrics(test_scores, y_test != ok, far_threshold)
     metrics = {
+        "task": "defect detection",
         "accuracy": cls["accuracy"],
         **binary,
         "threshold": threshold,
         "target_defect_recall": target_recall,
+        "max_false_alarm_rate": max_false_alarm_rate,
+        "operating_point": point,
         "roc_auc": roc_auc(test_scores, y_test != ok),
-        "far_threshold": far_threshold,
-        "defect_recall_at_far_threshold": at_far["defect_recall"],
-        "false_alarm_rate_at_far_threshold": at_far["false_alarm_rate"],
         "test_images": int(len(y_test)),
+        "min_class_recall": min(m["recall"] for m in cls["per_class"].values() if m["support"]),
     }
-    n_val, n_test = len(y_val), len(y_test)
-    groups = np.concatenate(
-        [  # without groups every image is its own part
-            val_groups if val_groups is not None else np.array([f"val{i}" for i in range(n_val)]),
-            test_groups if test_groups is not None else np.array([f"test{i}" for i in range(n_test)]),
-        ]
+    metrics |= redrawn_figures(
+        (val_scores, val_defect, val_groups), (test_scores, y_test != ok, test_groups), max_false_alarm_rate
     )
-    pooled = np.concatenate([val_scores, test_scores])
-    pooled_defect = np.concatenate([val_defect, y_test != ok])
-    partitions = redrawn_partitions(groups, n_val / (n_val + n_test), REDRAWN_SPLITS)
-    redrawn = cut_on_partitions(pooled, pooled_defect, groups, partitions, max_false_alarm_rate, val_groups is not None)
-    metrics["redrawn_splits"] = redrawn["partitions"]
-    if redrawn["partitions"]:
-        metrics["redrawn_defect_recall_at_far_threshold"] = redrawn["recall"]
-        metrics["redrawn_within_false_alarm_limit"] = redrawn["within"]
-        metrics["redrawn_oracle_defect_recall"] = redrawn["oracle"]
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     (out_dir / "per_class.json").write_text(json.dumps(cls["per_class"], indent=2) + "\n")
     confusion_matrix_plot(cm, classes, f"test set, accuracy {cls['accuracy']:.3f}", out_dir / "confusion_matrix.png")
     _score_histogram(test_scores, y_test != ok, threshold, out_dir / "score_histogram.png")
     _roc_plot(
-        test_scores, y_test != ok, {"val recall target": threshold, "val FAR limit": far_threshold}, out_dir / "roc.png"
+        test_scores,
+        y_test != ok,
+        {"card threshold": threshold, f"val {max_false_alarm_rate:.0%} ceiling": point["ceiling_cut"]},
+        out_dir / "roc.png",
     )
     _pr_plot(test_scores, y_test != ok, threshold, out_dir / "precision_recall.png")
     with open(out_dir / "test_scores.csv", "w") as f:  # dvc plots: one row per test image
@@ -110,6 +106,130 @@ def evaluate(
         for y, s in zip(y_test, test_scores, strict=True):
             f.write(f"{classes[y]},{int(y != ok)},{s:.6f}\n")
     return metrics
+
+
+def card_operating_point(
+    scores: np.ndarray, is_defect: np.ndarray, groups: np.ndarray | None, target_recall: float, ceiling: float
+) -> dict:
+    """``operating_point`` on the val split, each near-duplicate group counted once, with the number of
+    parts of each kind and the warnings of a split too small to resolve the target or the ceiling."""
+    w = group_weights(groups, is_defect) if groups is not None else np.ones(len(is_defect))
+    point = operating_point(scores, is_defect, target_recall, ceiling, w)
+    point["val_defect_parts"] = int(round(w[is_defect].sum()))
+    point["val_ok_parts"] = int(round(w[~is_defect].sum()))
+    point["warnings"] = small_split_warnings(point["val_defect_parts"], point["val_ok_parts"], target_recall, ceiling)
+    if point["status"] != "meets target":
+        log.warning(
+            "operating point below target: at the %.1f%% false-alarm ceiling the model catches %.1f%% of the val "
+            "defects, not %.1f%%; the card marks it for review (not deployable by default)",
+            100 * ceiling,
+            100 * point["val_defect_recall"],
+            100 * target_recall,
+        )
+    return point
+
+
+def redrawn_figures(val: tuple, test: tuple, ceiling: float) -> dict:
+    """``redrawn_*``: val and test ((scores, is_defect, groups or None) each) pooled and split again by group,
+    the ceiling's cut picked on the val-sized side and judged on the other (``cut_on_partitions``)."""
+    (val_scores, val_defect, val_groups), (test_scores, test_defect, test_groups) = val, test
+    n_val, n_test = len(val_scores), len(test_scores)
+    groups = np.concatenate(
+        [  # without groups every image is its own part
+            val_groups if val_groups is not None else np.array([f"val{i}" for i in range(n_val)]),
+            test_groups if test_groups is not None else np.array([f"test{i}" for i in range(n_test)]),
+        ]
+    )
+    pooled = np.concatenate([val_scores, test_scores])
+    pooled_defect = np.concatenate([val_defect, test_defect])
+    partitions = redrawn_partitions(groups, n_val / (n_val + n_test), REDRAWN_SPLITS)
+    redrawn = cut_on_partitions(pooled, pooled_defect, groups, partitions, ceiling, val_groups is not None)
+    if not redrawn["partitions"]:
+        return {"redrawn_splits": 0}
+    return {
+        "redrawn_splits": redrawn["partitions"],
+        "redrawn_defect_recall_at_ceiling": redrawn["recall"],
+        "redrawn_within_ceiling": redrawn["within"],
+        "redrawn_oracle_defect_recall": redrawn["oracle"],
+    }
+
+
+def sorting_metrics(test_probs: np.ndarray, y_test: np.ndarray, classes: list[str], out_dir: Path) -> dict:
+    """Defect-type sorting (no OK class): the most likely class decides, no threshold. Accuracy, each
+    class's precision and recall (per_class.json), the worst class's recall (``min_class_recall``, what
+    promotion compares first) and the confusion matrix."""
+    cls, cm = classification_metrics(test_probs, y_test, classes)
+    recalls = [m["recall"] for m in cls["per_class"].values() if m["support"]]
+    metrics = {
+        "task": "defect-type sorting",
+        "accuracy": cls["accuracy"],
+        "min_class_recall": min(recalls),
+        "macro_recall": float(np.mean(recalls)),
+        "threshold": None,
+        "test_images": int(len(y_test)),
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    (out_dir / "per_class.json").write_text(json.dumps(cls["per_class"], indent=2) + "\n")
+    confusion_matrix_plot(cm, classes, f"test set, accuracy {cls['accuracy']:.3f}", out_dir / "confusion_matrix.png")
+    pred, top = test_probs.argmax(axis=1), test_probs.max(axis=1)
+    _confidence_histogram(top, pred == y_test, out_dir / "score_histogram.png")
+    _one_vs_rest_roc(test_probs, y_test, classes, out_dir / "roc.png")
+    _per_class_bars(cls["per_class"], out_dir / "precision_recall.png")
+    with open(out_dir / "test_scores.csv", "w") as f:  # one row per test image
+        f.write("label,predicted,probability\n")
+        for y, k, p in zip(y_test, pred, top, strict=True):
+            f.write(f"{classes[y]},{classes[k]},{p:.6f}\n")
+    return metrics
+
+
+def _confidence_histogram(top: np.ndarray, correct: np.ndarray, path: Path) -> None:
+    """Sorting: the most likely class's probability, right and wrong test images apart."""
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    bins = np.linspace(0, 1, 41)
+    ax.hist(top[correct], bins=bins, alpha=0.6, label="sorted right")
+    ax.hist(top[~correct], bins=bins, alpha=0.6, label="sorted wrong")
+    ax.set_yscale("log")
+    ax.set_xlabel("probability of the most likely class")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _one_vs_rest_roc(probs: np.ndarray, labels: np.ndarray, classes: list[str], path: Path) -> None:
+    """Sorting: each class against the others, its probability as the score."""
+    fig, ax = plt.subplots(figsize=(5, 4.5))
+    for k, name in enumerate(classes):
+        scores, positive = probs[:, k], labels == k
+        if not positive.any() or positive.all():
+            continue
+        cuts = np.r_[np.inf, np.sort(np.unique(scores))[::-1]]
+        fpr = [(scores[~positive] >= t).mean() for t in cuts]
+        tpr = [(scores[positive] >= t).mean() for t in cuts]
+        ax.plot(fpr, tpr, label=f"{name}, AUC {roc_auc(scores, positive):.3f}")
+    ax.set(xlabel="other classes' images taken for it", ylabel="its images found", xlim=(0, 1), ylim=(0, 1.02))
+    ax.legend(loc="lower right", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _per_class_bars(per_class: dict, path: Path) -> None:
+    """Sorting: each class's precision and recall on the test split."""
+    names = list(per_class)
+    x = np.arange(len(names))
+    fig, ax = plt.subplots(figsize=(max(5, 1.1 * len(names)), 3.5))
+    for k, key in enumerate(("precision", "recall")):
+        bars = ax.bar(x + (k - 0.5) * 0.38, [per_class[n][key] for n in names], 0.38, label=key)
+        ax.bar_label(bars, fmt="%.2f", fontsize=6)
+    ax.set_xticks(x, names, rotation=20, fontsize=8)
+    ax.set_ylim(0, 1.1)
+    ax.legend(loc="lower right", fontsize=8)
+    ax.set_title("test split, per class")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 Split = tuple[np.ndarray, np.ndarray, list[str], np.ndarray]  # images, labels, paths, defect scores
@@ -185,6 +305,38 @@ def review_sheet(
     title = f"defect score = 1 - p(ok); the model card's threshold is {threshold:.3f}{how} (defect at or above it)"
     review_grid(rows, classes, title, per_row, out_dir / "review.png")
     return {"review_missed_defects": int(missed.sum()), "review_flagged_ok": int(flagged.sum())}
+
+
+def sorting_review(val: tuple, test: tuple, classes: list[str], out_dir: Path, per_row: int = 8) -> dict:
+    """Defect-type sorting's review sheet (review.csv, review.png): the test images sorted into the wrong
+    class (surest first: a wrong label or a look-alike class) and the val images the model is least sure
+    of. ``val`` and ``test``: (images, labels, paths, probabilities (N, K))."""
+    (xv, yv, pv, probs_v), (xt, yt, pt, probs_t) = val, test
+    conf_v, conf_t = probs_v.max(axis=1), probs_t.max(axis=1)
+    wrong = np.nonzero(probs_t.argmax(axis=1) != yt)[0]
+    wrong = wrong[np.argsort(-conf_t[wrong], kind="stable")][:per_row].tolist()
+    unsure = np.argsort(conf_v, kind="stable")[:per_row].tolist()
+    rows = {
+        "test images sorted into another class (surest first: check the label)": ("test", (xt, yt, pt, conf_t), wrong),
+        "val images the model is least sure of": ("val", (xv, yv, pv, conf_v), unsure),
+    }
+    with open(out_dir / "review.csv", "w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(["row", "split", "path", "label", "predicted", "probability"])
+        for name, (split, (_, y, paths, _), idx) in rows.items():
+            probs = probs_t if split == "test" else probs_v
+            for i in idx:
+                k = int(probs[i].argmax())
+                out.writerow([name, split, paths[i], classes[y[i]], classes[k], f"{probs[i, k]:.6f}"])
+    review_grid(
+        rows,
+        classes,
+        "defect-type sorting: label and the most likely class's probability",
+        per_row,
+        out_dir / "review.png",
+    )
+    n_wrong = int((probs_t.argmax(axis=1) != yt).sum())
+    return {"review_sorted_wrong": n_wrong}
 
 
 def review_grid(rows: dict, classes: list[str], title: str, per_row: int, path: Path) -> None:
@@ -265,10 +417,18 @@ def log_to_mlflow(run, metrics: dict, out_dir: Path) -> None:
     run.log_metrics({f"test_recall_{c}": m["recall"] for c, m in per_class.items()})
     run.log_artifacts(out_dir, "evaluate")
     m = metrics
-    run.set_tags(
-        {
-            "mlflow.note.content": f"Test split, {m['test_images']} images: accuracy {m['accuracy']:.3f}, defect "
-            f"recall {m['defect_recall']:.3f} and false-alarm rate {m['false_alarm_rate']:.3f} at the threshold "
-            f"{m['threshold']:.3f}; ROC AUC {m['roc_auc']:.3f}."
-        }
-    )
+    if m["threshold"] is None:
+        note = (
+            f"Defect-type sorting, test split, {m['test_images']} images: accuracy {m['accuracy']:.3f}, "
+            f"worst class recall {m['min_class_recall']:.3f}."
+        )
+    else:
+        p = m["operating_point"]
+        note = (
+            f"Test split, {m['test_images']} images: accuracy {m['accuracy']:.3f}, defect recall "
+            f"{m['defect_recall']:.3f} and false-alarm rate {m['false_alarm_rate']:.3f} at the card's threshold "
+            f"{m['threshold']:.3f} ({p['status']}: on val {p['val_defect_recall']:.3f} recall at "
+            f"{p['val_false_alarm_rate']:.3f} false alarms); ROC AUC {m['roc_auc']:.3f}."
+        )
+        run.log_metrics({k: p[k] for k in ("val_defect_recall", "val_false_alarm_rate")})
+    run.set_tags({"mlflow.note.content": note})

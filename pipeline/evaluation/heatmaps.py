@@ -121,7 +121,7 @@ def heatmap_report(
     probs: np.ndarray,
     rel_paths: list[str],
     classes: list[str],
-    ok_class: str,
+    ok_class: str | None,
     masks_dir: Path,
     resize: str,
     per_class: int,
@@ -134,7 +134,7 @@ def heatmap_report(
     heatmaps of the images at the given indices, (n, S, S) in the input's geometry (default: ``net``'s
     Grad-CAM; a model with tiles: ``tile_cams``)."""
     size = images.shape[1]
-    ok = classes.index(ok_class)
+    ok = -1 if ok_class is None else classes.index(ok_class)  # None: defect-type sorting, every image a defect
     mask_of = {}  # test defect image index -> its mask, brought to the model input
     for i in np.nonzero(labels != ok)[0].tolist():
         mask = load_mask(masks_dir, rel_paths[i], size, resize)
@@ -177,7 +177,8 @@ def heatmap_report(
         grid_imgs.append(images[i])
         grid_maps.append(maps[i])
         grid_masks.append(mask_of.get(i))
-        titles.append(f"pred {classes[int(probs[i].argmax())]} {1 - probs[i, ok]:.2f}")
+        k = int(probs[i].argmax())
+        titles.append(f"pred {classes[k]} {probs[i, k] if ok < 0 else 1 - probs[i, ok]:.2f}")
     if rows:
         heatmap_grid(
             np.stack(grid_imgs), np.stack(grid_maps), grid_masks, titles, rows, per_class, out_dir / "heatmaps.png"

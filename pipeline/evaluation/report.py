@@ -14,7 +14,7 @@ import numpy as np
 
 from pipeline.config import EvaluateConfig
 from pipeline.data.prepare import load_groups, load_split
-from pipeline.evaluation.evaluate import evaluate, review_sheet
+from pipeline.evaluation.evaluate import evaluate, review_sheet, sorting_review
 from pipeline.evaluation.fusion import VIEW_KEYS, tile_view
 from pipeline.evaluation.heatmaps import heatmap_report, tile_cams
 from pipeline.metrics import softmax
@@ -61,6 +61,13 @@ def evaluate_model(cfg: EvaluateConfig, device: str, src: Inputs, out: Path) -> 
     if tiles:  # the fused probabilities decide; each view alone is judged too (reports/evaluate/views)
         val_probs, test_probs, views = fused_views(cfg, meta, tiles, (val_probs, test_probs), val, test, src, rt, out)
     metrics = judge(cfg, meta, val_probs, test_probs, val, test, out)
+    if meta["ok_class"] is None:  # defect-type sorting: the images sorted wrong, the least sure ones
+        metrics |= sorting_review(
+            (val.x, val.y, val.paths, val_probs), (test.x, test.y, test.paths, test_probs), meta["classes"], out
+        )
+        if cfg.heatmaps_per_class > 0:
+            metrics |= heatmaps(cfg, net, meta, None, test, test_probs, src, out)
+        return metrics
     ok = meta["classes"].index(meta["ok_class"])
     metrics |= review_sheet(
         (val.x, val.y, val.paths, 1 - val_probs[:, ok]),

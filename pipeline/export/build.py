@@ -38,7 +38,7 @@ from pipeline.metrics import softmax
 from pipeline.model import load_model, load_tile_model, predict_logits
 from pipeline.plots import variants_plot
 from pipeline.runtime import resolve_runtime
-from serving.card import InputSpec, ModelCard, TileSpec
+from serving.card import SORTING_OUTPUTS, InputSpec, ModelCard, TileSpec
 from serving.preprocess import decode_image
 from serving.runner import Runner
 from serving.tiles import tile_graph_path
@@ -46,8 +46,9 @@ from serving.tiles import tile_graph_path
 # the figures of each variant that parity.json (DVC metrics) carries
 NUMERIC = (
     "accuracy",
-    "defect_recall",
-    "false_alarm_rate",
+    "min_class_recall",
+    "defect_recall",  # not in a defect-type sorting report
+    "false_alarm_rate",  # idem
     "decision_flips",
     "score_max_abs_diff",
     "score_mean_abs_diff",
@@ -94,7 +95,7 @@ def export_model(cfg: ExportConfig, name: str, src: Inputs, fp32: Path) -> Expor
     for v, path in paths.items():  # provisional cards, so the runner (which checks the card and sha256) loads them
         write_card(dataclasses.replace(with_tile_graph(card, tile_paths[v]) if tiles else card, variant=v), path)
     report, n_test = parity(cfg, net, tiles, meta, card, paths, tile_paths, src)
-    reasons = gate(report, cfg)
+    reasons = gate(report, cfg, card.operating_point)
     recommended = recommend(report, reasons)
     for v in report:
         report[v] |= {"deployable": not reasons[v], "not_deployable_reason": reasons[v]}
@@ -102,18 +103,28 @@ def export_model(cfg: ExportConfig, name: str, src: Inputs, fp32: Path) -> Expor
     return Export(card, report, reasons, recommended, n_test)
 
 
+def ok_index(card: ModelCard) -> int | None:
+    """The OK class's index, None for defect-type sorting (a card without an OK class)."""
+    return None if card.ok_class is None else card.classes.index(card.ok_class)
+
+
 def base_card(name: str, meta: dict, tiles: tuple | None, src: Inputs) -> ModelCard:
     """The facts the runner needs, from the trained model and the evaluate stage's threshold."""
+    evaluation = json.loads(src.evaluation.read_text())
+    point = evaluation.get("operating_point") or {}
     card = ModelCard(
         name=name,
         architecture=meta["architecture"],
         classes=meta["classes"],
-        ok_class=meta["ok_class"],
+        ok_class=meta["ok_class"],  # None: defect-type sorting (and no threshold)
         input=InputSpec(meta["image_size"], meta["channels"], meta["resize"]),
-        threshold=json.loads(src.evaluation.read_text())["threshold"],
+        threshold=evaluation["threshold"],
         training_run_id=tracking.read_run_id(src.run),
         data_fingerprint=meta["fingerprint"],
+        operating_point={k: v for k, v in point.items() if k not in ("recall_cut", "ceiling_cut")},
     )
+    if card.ok_class is None:  # the graph's second output is the most likely class's probability
+        card = dataclasses.replace(card, outputs=dict(SORTING_OUTPUTS))
     if not tiles:
         return card
     tmeta = tiles[1]
@@ -124,7 +135,7 @@ def write_variants(
     cfg: ExportConfig, net, card: ModelCard, size: int, channels: int, files: dict[str, Path], data: Path
 ) -> None:
     """One network as fp32 ONNX, then fp16 and int8 (calibrated on ``data``'s training split) where asked."""
-    export_onnx(net, card.ok_index, size, channels, cfg.opset, files["fp32"], card)
+    export_onnx(net, ok_index(card), size, channels, cfg.opset, files["fp32"], card)
     if "fp16" in files:
         make_fp16(files["fp32"], files["fp16"])
     if "int8" in files:
@@ -157,8 +168,8 @@ def parity(
     for v, runner in runners.items():
         probs = np.concatenate([runner.predict(b)[0] for b in batches])
         report[v] = {
-            **scores(probs, y_test, card.classes, card.ok_index, card.threshold),
-            **compare(torch_probs, probs, test_paths, card.ok_index, card.threshold),
+            **scores(probs, y_test, card.classes, ok_index(card), card.threshold),
+            **compare(torch_probs, probs, test_paths, ok_index(card), card.threshold),
             "model_bytes": paths[v].stat().st_size + (tile_paths[v].stat().st_size if tiles else 0),
         }
     # latency: with tiles, the first test photograph (its letterbox and its tiles) in batches of its copies
@@ -174,7 +185,10 @@ def write_reports(e: Export, out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     report = e.report
     (out / "variants.json").write_text(json.dumps({"recommended": e.recommended, "variants": report}, indent=2) + "\n")
-    metrics = {v: {k: float(r[k]) for k in NUMERIC} | {"deployable": int(not e.reasons[v])} for v, r in report.items()}
+    metrics = {
+        v: {k: float(r[k]) for k in NUMERIC if k in r} | {"deployable": int(not e.reasons[v])}
+        for v, r in report.items()
+    }
     (out / "parity.json").write_text(json.dumps(metrics, indent=2) + "\n")
     (out / "variants.md").write_text(markdown_table(report, e.recommended, e.card.classes))
     variants_plot(report, out / "variants.png")
@@ -189,7 +203,8 @@ def markdown_table(report: dict, recommended: dict, classes: list[str]) -> str:
     for v, r in report.items():
         lines.append(
             f"| {v} | {'yes' if r['deployable'] else 'no: ' + r['not_deployable_reason']} | {r['accuracy']:.3f} "
-            f"| {r['defect_recall']:.3f} | {r['false_alarm_rate']:.3f} | {r['decision_flips']} "
+            f"| {r.get('defect_recall', float('nan')):.3f} | {r.get('false_alarm_rate', float('nan')):.3f} "
+            f"| {r['decision_flips']} "
             f"| {r['score_max_abs_diff']:.2g} | {r['model_bytes'] / 1e6:.1f} | {r['latency']['batch_1_p50_ms']:.1f} "
             f"| {r['latency']['batch_32_p50_ms']:.0f} |"
         )
@@ -208,8 +223,13 @@ def summary_lines(e: Export) -> list[str]:
     lines = []
     for v, r in e.report.items():
         state = "deployable" if r["deployable"] else f"NOT deployable: {r['not_deployable_reason']}"
+        recall = (
+            f"defect recall {r['defect_recall']:.3f}"
+            if "defect_recall" in r
+            else (f"worst class recall {r['min_class_recall']:.3f}")
+        )
         lines.append(
-            f"export {v}: accuracy {r['accuracy']:.3f}, defect recall {r['defect_recall']:.3f}, "
+            f"export {v}: accuracy {r['accuracy']:.3f}, {recall}, "
             f"{r['decision_flips']} flips, {r['latency']['batch_1_p50_ms']:.1f} ms, {state}"
         )
     return lines + [f"export: recommended {e.recommended}"]

@@ -108,22 +108,36 @@ def calibration_images(images: np.ndarray, count: int, seed: int) -> np.ndarray:
     return images[np.sort(idx)]
 
 
-def scores(probs: np.ndarray, labels: np.ndarray, classes: list[str], ok_index: int, threshold: float) -> dict:
-    """Accuracy, per-class recall, and defect recall / false-alarm rate at the threshold (as evaluate does)."""
+def scores(
+    probs: np.ndarray, labels: np.ndarray, classes: list[str], ok_index: int | None, threshold: float | None
+) -> dict:
+    """Accuracy, per-class recall and the worst class's, and defect recall / false-alarm rate at the threshold
+    (as evaluate does; defect-type sorting, ``ok_index`` None: no threshold, no defect recall)."""
     cls, _ = classification_metrics(probs, labels, classes)
-    binary = binary_metrics(1.0 - probs[:, ok_index], labels != ok_index, threshold)
-    return {
+    recalls = {c: m["recall"] for c, m in cls["per_class"].items()}
+    out = {
         "accuracy": cls["accuracy"],
-        "per_class_recall": {c: m["recall"] for c, m in cls["per_class"].items()},
-        "defect_recall": binary["defect_recall"],
-        "false_alarm_rate": binary["false_alarm_rate"],
+        "per_class_recall": recalls,
+        "min_class_recall": min(r for c, r in recalls.items() if cls["per_class"][c]["support"]),
     }
+    if ok_index is None:
+        return out
+    binary = binary_metrics(1.0 - probs[:, ok_index], labels != ok_index, threshold)
+    return out | {"defect_recall": binary["defect_recall"], "false_alarm_rate": binary["false_alarm_rate"]}
 
 
-def compare(reference: np.ndarray, probs: np.ndarray, paths: list[str], ok_index: int, threshold: float) -> dict:
-    """How a variant's outputs differ from PyTorch's on the same images."""
-    ref_score, score = 1.0 - reference[:, ok_index], 1.0 - probs[:, ok_index]
-    flips = np.nonzero((ref_score >= threshold) != (score >= threshold))[0]
+def compare(
+    reference: np.ndarray, probs: np.ndarray, paths: list[str], ok_index: int | None, threshold: float | None
+) -> dict:
+    """How a variant's outputs differ from PyTorch's on the same images: decisions that flip (the defect/OK
+    decision at the threshold; sorting: the most likely class) and the score's differences (1 - p(ok);
+    sorting: the most likely class's probability)."""
+    if ok_index is None:
+        ref_score, score = reference.max(axis=1), probs.max(axis=1)
+        flips = np.nonzero(reference.argmax(axis=1) != probs.argmax(axis=1))[0]
+    else:
+        ref_score, score = 1.0 - reference[:, ok_index], 1.0 - probs[:, ok_index]
+        flips = np.nonzero((ref_score >= threshold) != (score >= threshold))[0]
     return {
         "decision_flips": int(len(flips)),
         "flipped_images": [paths[i] for i in flips][:50],
@@ -155,23 +169,42 @@ LIMITS = (
 )
 
 
-def gate(report: dict, cfg: ExportConfig) -> dict[str, str]:
-    """The reason each variant is not deployable ('' when it is), against fp32 and export.* limits."""
+def gate(report: dict, cfg: ExportConfig, operating_point: dict | None = None) -> dict[str, str]:
+    """The reason each variant is not deployable ('' when it is), against fp32 and export.* limits. A model
+    whose ``operating_point`` (evaluate's) is below target is marked for review in every variant unless
+    ``export.deploy_below_target``. Defect-type sorting (no defect recall in the report): each class's
+    recall may drop by at most ``export.max_defect_recall_drop``, the accuracy by ``max_accuracy_drop``."""
     ref = report["fp32"]
     reasons = {}
     for v, r in report.items():
         why = []
+        if operating_point and operating_point["status"] != "meets target" and not cfg.deploy_below_target:
+            why.append(
+                f"marked for review: at the {operating_point['max_false_alarm_rate']:.1%} false-alarm ceiling "
+                f"it catches {operating_point['val_defect_recall']:.1%} of the val defects, below the "
+                f"{operating_point['target_defect_recall']:.1%} target (export.deploy_below_target: false)"
+            )
         if v == "fp32":
             if r["prob_max_abs_diff"] > cfg.max_abs_diff:
                 why.append(f"differs from PyTorch by {r['prob_max_abs_diff']:.3g} > export.max_abs_diff")
         else:
             for label, key, word, limit in LIMITS:
+                if key not in r:  # defect-type sorting: no defect recall, no false alarms
+                    continue
                 change = r[key] - ref[key] if word == "rise" else ref[key] - r[key]
                 if change > getattr(cfg, limit):
                     why.append(
                         f"{label} {r[key]:.3f} vs fp32 {ref[key]:.3f}: {word} {change:.3f} > "
                         f"export.{limit}={getattr(cfg, limit)}"
                     )
+            if "defect_recall" not in r:
+                for c, rec in r["per_class_recall"].items():
+                    drop = ref["per_class_recall"][c] - rec
+                    if drop > cfg.max_defect_recall_drop:
+                        why.append(
+                            f"recall of {c} {rec:.3f} vs fp32 {ref['per_class_recall'][c]:.3f}: drop {drop:.3f} > "
+                            f"export.max_defect_recall_drop={cfg.max_defect_recall_drop}"
+                        )
             need = cfg.min_speedup.get(v, 0.0)
             if r["speedup_vs_fp32"] < need:
                 why.append(f"speedup {r['speedup_vs_fp32']:.2f}x < export.min_speedup.{v}={need}")

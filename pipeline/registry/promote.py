@@ -54,24 +54,33 @@ log = logging.getLogger(__name__)
 CACHE = Path("models/promote/cache")  # champions downloaded for the comparison, by name and version
 
 
-def score_on_files(model_path: Path, root: Path, paths: list[str], truth: list[str], ok_class: str) -> dict:
-    """Defect recall, false-alarm rate and accuracy of one exported model on image files, at its card's
-    threshold (both models know every class: other class sets are refused before scoring)."""
+def score_on_files(model_path: Path, root: Path, paths: list[str], truth: list[str], ok_class: str | None) -> dict:
+    """Accuracy and the worst class's recall of one exported model on image files and, with an OK class,
+    its defect recall and false-alarm rate at its card's threshold (both models know every class: other
+    class sets are refused before scoring)."""
     runner = Runner(model_path, providers="cpu", spin=False, force=True, warmup=0)
     preds = list(runner.predict_files([root / p for p in paths], batch_size=32))
     unreadable = [p.path for p in preds if p.error]
     if unreadable:
         raise RuntimeError(f"promote: test images could not be read: {unreadable[:5]}")
+    correct = np.array([p.label == t for p, t in zip(preds, truth, strict=True)])
+    recalls = [correct[[t == c for t in truth]].mean() for c in sorted(set(truth))]
+    figures = {"accuracy": float(correct.mean()), "min_class_recall": float(min(recalls)), "images": len(paths)}
+    if ok_class is None:  # defect-type sorting: the most likely class is the decision
+        return figures
     is_defect = np.array([t != ok_class for t in truth])
     flagged = np.array([p.decision == "defect" for p in preds])
-    correct = np.array([p.label == t for p, t in zip(preds, truth, strict=True)])
-    return {
+    return figures | {
         "defect_recall": float(flagged[is_defect].mean()) if is_defect.any() else float("nan"),
         "false_alarm_rate": float(flagged[~is_defect].mean()) if (~is_defect).any() else float("nan"),
-        "accuracy": float(correct.mean()),
         "binary_accuracy": float((flagged == is_defect).mean()),
-        "images": len(paths),
     }
+
+
+def over_false_alarm_bound(figures: dict, limit: float) -> bool:
+    """True when a model flags more OK images than ``promote.refuse_false_alarm_rate`` at its own threshold
+    (never for defect-type sorting, which has no OK images)."""
+    return figures.get("false_alarm_rate", 0.0) > limit
 
 
 def decide(
@@ -81,12 +90,19 @@ def decide(
     promote_on_tie: bool,
     refuse_false_alarm_rate: float = 1.0,
 ) -> tuple[bool, str]:
-    """(promote?, why): the false-alarm limit first, then the rules in order."""
-    new_far, old_far, limit = challenger["false_alarm_rate"], champion["false_alarm_rate"], refuse_false_alarm_rate
-    if new_far > limit:
-        return False, f"false_alarm_rate {new_far:.4f} above promote.refuse_false_alarm_rate {limit}"
-    if old_far > limit:
-        return True, f"champion's false_alarm_rate {old_far:.4f} above promote.refuse_false_alarm_rate {limit}"
+    """(promote?, why): the false-alarm bound first (with an OK class), then the rules in order."""
+    limit = refuse_false_alarm_rate
+    if over_false_alarm_bound(challenger, limit):
+        return False, (
+            f"false_alarm_rate {challenger['false_alarm_rate']:.4f} at its own threshold above "
+            f"promote.refuse_false_alarm_rate {limit}: a line cannot run it"
+        )
+    if over_false_alarm_bound(champion, limit):
+        return (
+            True,
+            f"champion's false_alarm_rate {champion['false_alarm_rate']:.4f} above "
+            f"promote.refuse_false_alarm_rate {limit}",
+        )
     for rule in rules:
         new, old = challenger[rule.metric], champion[rule.metric]
         gain = (new - old) if rule.better == "higher" else (old - new)
@@ -132,10 +148,12 @@ def register(
 
 def what_it_is(card: ModelCard) -> str:
     tiles = f", with a {card.tiles.architecture} tile model on {card.tiles.size} px tiles" if card.tiles else ""
+    what = f"{card.architecture} ({card.variant} ONNX, {card.input.size} px{tiles})"
+    if card.ok_class is None:
+        return f"{what} sorting defect types: {', '.join(card.classes)} (no OK class; the most likely class decides)."
     return (
-        f"{card.architecture} ({card.variant} ONNX, {card.input.size} px{tiles}) telling apart "
-        f"{', '.join(card.classes)} (OK class: {card.ok_class}); flags a defect at defect score >= "
-        f"{card.threshold:.4f}."
+        f"{what} telling apart {', '.join(card.classes)} (OK class: {card.ok_class}); flags a defect at defect "
+        f"score >= {card.threshold:.4f}."
     )
 
 
@@ -185,7 +203,7 @@ def promote(params: Params, export_dir: Path, raw_images: Path, prepared: Path, 
     variants = json.loads(Path("reports/export/variants.json").read_text())
     variant = variants["recommended"].get(cfg.provider)
     if variant is None:
-        raise RuntimeError(f"promote: export recommends no deployable variant for provider {cfg.provider!r}")
+        return not_deployable(params, variants, out_dir)
     model_path = variant_path(export_dir / "model.onnx", variant)
     card = ModelCard.read(card_path_for(model_path))
 
@@ -206,7 +224,8 @@ def promote(params: Params, export_dir: Path, raw_images: Path, prepared: Path, 
             data_fp = client.get_run(run.run_id).data.tags.get("data.fingerprint", "")
             version = register(client, run, cfg.model_name, model_path, card, data_fp)
             client.set_registered_model_alias(cfg.model_name, "challenger", version)
-            promoted, why, old = judge(params, client, champ, version, new, (raw_images, paths, truth, card.ok_class))
+            test = (raw_images, paths, truth, card.ok_class)
+            promoted, why, old = judge(params, client, champ, version, new, test, rules_for(cfg, card))
             if promoted:
                 client.set_registered_model_alias(cfg.model_name, "champion", version)
         decision = {
@@ -225,7 +244,8 @@ def promote(params: Params, export_dir: Path, raw_images: Path, prepared: Path, 
             "promoted": promoted,
             "comparable": not refused,
             "reason": why,
-            "rules": [asdict(r) for r in cfg.rules],
+            "registered": version is not None,
+            "rules": [asdict(r) for r in rules_for(cfg, card)],
             "test_images": len(paths),
         }
         write_reports(client, decision, out_dir)
@@ -243,17 +263,60 @@ def alias_version(client: MlflowClient, name: str, alias: str):
         return None
 
 
-def judge(params: Params, client: MlflowClient, champ, version: str, new: dict, test: tuple) -> tuple:
+def rules_for(cfg, card: ModelCard) -> list[PromoteRule]:
+    """``promote.rules`` for a defect/OK model, ``promote.sorting_rules`` for defect-type sorting."""
+    return cfg.sorting_rules if card.ok_class is None else cfg.rules
+
+
+def not_deployable(params: Params, variants: dict, out_dir: Path) -> dict:
+    """Export marked no variant deployable for ``promote.provider`` (e.g. an operating point below the recall
+    target): nothing is registered, no alias moves, and decision.json says why."""
+    cfg = params.promote
+    reasons = {v: r.get("not_deployable_reason", "") for v, r in variants["variants"].items()}
+    why = f"export marks no variant deployable for provider {cfg.provider}: {reasons.get('fp32') or reasons}"
+    with tracking.resume_run(params.mlflow, Path("models/train/run.json"), stage="promote") as run:
+        champ = alias_version(run.client, cfg.model_name, "champion")
+        decision = {
+            "model_name": cfg.model_name,
+            "challenger": {"version": None, "run_id": run.run_id, "variant": None},
+            "champion_before": None if champ is None else {"version": str(champ.version), "run_id": champ.run_id},
+            "champion_after": None if champ is None else str(champ.version),
+            "promoted": False,
+            "comparable": True,
+            "registered": False,
+            "reason": why,
+            "rules": [],
+            "test_images": 0,
+        }
+        write_reports(run.client, decision, out_dir)
+        run.set_tags({"promote.decision": "not registered", "promote.reason": why})
+    log.warning("promote: %s", why)
+    return decision
+
+
+def judge(
+    params: Params, client: MlflowClient, champ, version: str, new: dict, test: tuple, rules: list[PromoteRule]
+) -> tuple:
     """(promoted, why, the champion's figures or None): the rules, with both scored on today's test split
-    (``test``: the image folder, the test files, their classes and the OK class)."""
+    (``test``: the image folder, the test files, their classes and the OK class). A first model is crowned
+    only within the false-alarm bound."""
     cfg = params.promote
     if champ is None:
+        if over_false_alarm_bound(new, cfg.refuse_false_alarm_rate):
+            return (
+                False,
+                (
+                    f"no champion yet, and this model's false_alarm_rate {new['false_alarm_rate']:.4f} at its own "
+                    f"threshold is above promote.refuse_false_alarm_rate {cfg.refuse_false_alarm_rate}: not crowned"
+                ),
+                None,
+            )
         return True, "no champion yet: the first model becomes champion", None
     if str(champ.version) == version:
         return True, f"version {version} is already the champion", new
     files = resolve(f"models:/{cfg.model_name}/{champ.version}", tracking_uri=client.tracking_uri, cache=CACHE)
     old = score_on_files(files.model_path, *test)
-    promoted, why = decide(new, old, cfg.rules, cfg.promote_on_tie, cfg.refuse_false_alarm_rate)
+    promoted, why = decide(new, old, rules, cfg.promote_on_tie, cfg.refuse_false_alarm_rate)
     return promoted, why, old
 
 
@@ -280,18 +343,22 @@ def without_credentials(uri: str) -> str:
     return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
 
 
-FIGURES = ("defect_recall", "false_alarm_rate", "accuracy")
+FIGURES = ("defect_recall", "false_alarm_rate", "accuracy", "min_class_recall")  # those a model's task has
+
+
+def figures_of(scored: dict) -> dict:
+    return {k: scored[k] for k in FIGURES if k in scored}
 
 
 def record(run: tracking.Run, client: MlflowClient, d: dict, report: Path) -> None:
     """The comparison on both training runs and both model versions (a refused model: on its run alone)."""
     name, ch, before = d["model_name"], d["challenger"], d["champion_before"]
-    run.log_metrics({f"promote_{k}": ch[k] for k in FIGURES})
+    run.log_metrics({f"promote_{k}": v for k, v in figures_of(ch).items()})
     outcome = "champion" if d["promoted"] else "challenger" if d["comparable"] else "refused"
     tags = {"promote.version": ch["version"] or "none", "promote.decision": outcome, "promote.reason": d["reason"]}
     if before and d["comparable"] and before["version"] != ch["version"]:
         tags["promote.compared_with"] = f"version {before['version']} (run {before['run_id']})"
-        run.log_metrics({f"promote_champion_{k}": before[k] for k in FIGURES})
+        run.log_metrics({f"promote_champion_{k}": v for k, v in figures_of(before).items()})
         verb = "lost to" if d["promoted"] else "held against"
         client.set_tag(
             before["run_id"],
@@ -311,15 +378,19 @@ def describe(run: tracking.Run, client: MlflowClient, d: dict, card: ModelCard) 
     name, ch, before = d["model_name"], d["challenger"], d["champion_before"]
     evaluated = Path("reports/evaluate/metrics.json")
     auc = json.loads(evaluated.read_text()).get("roc_auc") if evaluated.is_file() else None
-    figures = {f"test_{k}": ch[k] for k in FIGURES} | ({"test_roc_auc": auc} if auc is not None else {})
+    figures = {f"test_{k}": v for k, v in figures_of(ch).items()} | ({"test_roc_auc": auc} if auc is not None else {})
     for key, value in figures.items():
         client.set_model_version_tag(name, ch["version"], key, f"{value:.4f}")
     verdict = "Champion" if d["promoted"] else f"Not champion (the champion is version {d['champion_after']})"
     if not (before and before["version"] == ch["version"]):  # not a re-run on the champion itself
-        text = (
-            f"{what_it_is(card)}\n\nTest split, {ch['images']} images scored end to end by the edge runner at "
-            f"that threshold: accuracy {ch['accuracy']:.1%}, defect recall {ch['defect_recall']:.1%}, "
+        said = (
+            f"at that threshold: accuracy {ch['accuracy']:.1%}, defect recall {ch['defect_recall']:.1%}, "
             f"false-alarm rate {ch['false_alarm_rate']:.1%}"
+            if "defect_recall" in ch
+            else f"(most likely class): accuracy {ch['accuracy']:.1%}, worst class recall {ch['min_class_recall']:.1%}"
+        )
+        text = (
+            f"{what_it_is(card)}\n\nTest split, {ch['images']} images scored end to end by the edge runner {said}"
             + (f"; ROC AUC {auc:.3f} (evaluate stage, PyTorch)" if auc is not None else "")
             + f".\n\n{verdict}: {d['reason']}.\n\nTrained in MLflow run {ch['run_id']}."
         )

@@ -32,7 +32,7 @@ from pipeline import checkpoint, distributed, tracking
 from pipeline.config import Params, as_flat_dict
 from pipeline.data.augment import ImageDataset, build_policy, resolve_policy
 from pipeline.data.masks import MASK_UNKNOWN
-from pipeline.data.prepare import load_groups, load_masks, load_split, read_summary
+from pipeline.data.prepare import load_groups, load_masks, load_split, ok_index, read_summary
 from pipeline.distributed import Dist, unwrap
 from pipeline.metrics import binary_metrics, group_weights, roc_auc, softmax, threshold_for_false_alarms
 from pipeline.model import create_model, predict_logits
@@ -150,15 +150,24 @@ def evaluate_arrays(
     rt: Runtime,
     d: Dist,
     criterion: nn.Module,
-    ok_index: int,
+    ok_index: int | None,
     max_false_alarm_rate: float,
     groups: np.ndarray | None = None,
 ) -> dict:
     """Val loss and accuracy, plus the two figures the line cares about: ROC AUC of the defect score and
     the defect recall at the threshold that flags ``max_false_alarm_rate`` of the val OK images (each
-    near-duplicate group counted once when ``groups`` is given, as the evaluate stage does)."""
+    near-duplicate group counted once when ``groups`` is given, as the evaluate stage does). Without an
+    OK class (``ok_index`` None: defect-type sorting) those two are NaN."""
     logits = predict_logits(model, images, rt, d)
     loss = criterion(torch.from_numpy(logits), torch.from_numpy(labels)).item()
+    if ok_index is None:
+        nan = float("nan")
+        return {
+            "val_loss": loss,
+            "val_acc": float((logits.argmax(1) == labels).mean()),
+            "val_auc": nan,
+            "val_recall_at_far": nan,
+        }
     scores = 1.0 - softmax(logits)[:, ok_index]
     is_defect = labels != ok_index
     row = {"val_loss": loss, "val_acc": float((logits.argmax(1) == labels).mean())}
@@ -270,8 +279,8 @@ class TrainData:
         return self.info["classes"]
 
     @property
-    def ok_index(self) -> int:
-        return self.info["classes"].index(self.info["ok_class"])
+    def ok_index(self) -> int | None:
+        return ok_index(self.info)
 
     @property
     def steps(self) -> int:

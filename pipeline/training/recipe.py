@@ -40,7 +40,7 @@ from torch import nn
 
 from pipeline import checkpoint, distributed, tracking
 from pipeline.config import Params, as_flat_dict, member_params, tile_params
-from pipeline.data.prepare import load_groups, load_split, read_summary
+from pipeline.data.prepare import load_groups, load_split, ok_index, read_summary
 from pipeline.distributed import Dist
 from pipeline.model import MODEL_META, load_model, save_model
 from pipeline.plots import members_curves_plot
@@ -353,8 +353,9 @@ def pack(
         summary |= tiles_summary(params, tiles, prepared_dir)
     (reports_dir / "metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
     log.info(
-        "ensemble of %d: val AUC %.3f, val recall at %.0f%% false alarms %.3f",
+        "ensemble of %d: val accuracy %.3f, val AUC %.3f, val recall at %.0f%% false alarms %.3f",
         len(metas),
+        val["val_acc"],
         val["val_auc"],
         100 * params.evaluate.max_false_alarm_rate,
         val["val_recall_at_far"],
@@ -368,9 +369,8 @@ def validate_packed(params: Params, model_file: Path, prepared_dir: Path, rt: Ru
     net = net.to(rt.device)  # load_model builds on the CPU; the val arrays go to rt.device (a GPU: found on an H200)
     info = read_summary(prepared_dir)
     x_va, y_va, _ = load_split(prepared_dir, "val")
-    ok_index = info["classes"].index(info["ok_class"])
     far, groups = params.evaluate.max_false_alarm_rate, load_groups(prepared_dir, "val")
-    return evaluate_arrays(net, x_va, y_va, rt, Dist("none"), nn.CrossEntropyLoss(), ok_index, far, groups)
+    return evaluate_arrays(net, x_va, y_va, rt, Dist("none"), nn.CrossEntropyLoss(), ok_index(info), far, groups)
 
 
 def members_summary(
