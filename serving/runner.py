@@ -20,11 +20,13 @@ sorting: no OK class, no threshold)`` (``sorting_verdict``).
 A row that was not scored (an unreadable or skipped file) has no score, threshold or reason: ``error``
 says why.
 
-A card not deployable (a model marked for review: its ``operating_point`` status "below target", the
-evaluate stage could not reach the recall target under the false-alarm ceiling; or a variant that failed
-export's gate) is refused unless ``force``: a person may choose to run it, never by accident. A loaded model
-that is not deployable or below target (``export.deploy_below_target`` ships one) gets a loud warning at
-load naming the card, the recall the model reaches and its target (``review_warning``; ``Runner.warning``).
+A model marked for review, its card's ``operating_point`` status "below target" (the evaluate stage could not
+reach the recall target under the false-alarm ceiling; export then also marks it not deployable, so that
+promotion and the recommended variant pass it by), still loads and runs: a person may choose to run it. A
+card not deployable for another reason (a variant that failed export's parity gate: its scores are not the
+model's) is refused unless ``force``. Either way a loaded model that is not deployable or below target gets a
+loud warning at load naming the card, the recall the model reaches and its target (``review_warning``;
+``Runner.warning``).
 """
 
 from __future__ import annotations
@@ -394,7 +396,7 @@ class Runner:
         warning = check_card_against_graph(self.card, metadata, str(card_file), str(self.model_path))
         if warning:
             log.warning("%s", warning)
-        if not self.card.deployable and not force:
+        if not self.card.deployable and not force and not below_target(self.card):
             raise RunnerError(
                 f"{self.model_path}: the model card marks variant {self.card.variant!r} not deployable "
                 f"({self.card.not_deployable_reason}); pass force to load it anyway"

@@ -275,13 +275,10 @@ def test_cli_predict_prints_one_warning_line_for_a_model_marked_for_review(tmp_p
     assert str(card_path_for(marked)) in Runner(marked, providers="cpu").warning
 
 
-def test_not_deployable_needs_force_whatever_the_reason_and_every_model_for_review_warns(tmp_path):
+def test_not_deployable_below_target_runs_other_reasons_need_force_and_both_warn(tmp_path):
     reason_op = "marked for review: at the 1.0% false-alarm ceiling it catches 93.0% of the val defects"
     below = binary_card(operating_point=BELOW_TARGET, deployable=False, not_deployable_reason=reason_op)
-    below_path = save_carded(share_graph(SIDE), below, tmp_path / "below.onnx")
-    with pytest.raises(RunnerError, match="not deployable .marked for review.*pass force"):
-        Runner(below_path, providers="cpu")
-    runner = Runner(below_path, providers="cpu", force=True)
+    runner = Runner(save_carded(share_graph(SIDE), below, tmp_path / "below.onnx"), providers="cpu")
     assert "below target and its card marks it not deployable (marked for review" in runner.warning
     drift = binary_card(deployable=False, not_deployable_reason="int8 defect recall drops by 0.05")
     path = save_carded(share_graph(SIDE), dataclasses.replace(drift, variant="int8"), tmp_path / "int8.onnx")
