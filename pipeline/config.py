@@ -106,7 +106,7 @@ class SplitConfig:
 
 @section
 class PrepareConfig:
-    image_size: Int  # model input side, pixels
+    image_size: Int | Literal["auto"]  # model input side, pixels; auto: from the images' own resolution
     resize: Literal["letterbox", "squash"]
     split: SplitConfig
 
@@ -349,7 +349,7 @@ def _data_problems(p: Params) -> list[str]:
     problems = []
     if p.prepare.split.val <= 0 or p.prepare.split.test <= 0 or p.prepare.split.val + p.prepare.split.test >= 0.9:
         problems.append("prepare.split: val and test must be > 0 and leave at least 10% for train")
-    if p.prepare.image_size < 32:
+    if p.prepare.image_size != "auto" and p.prepare.image_size < 32:
         problems.append(f"prepare.image_size: must be at least 32 (EfficientNet), got {p.prepare.image_size}")
     counts = p.data.synthetic.counts
     if p.data.source == "synthetic" and p.data.ok_class not in {*counts, NO_OK_CLASS}:

@@ -49,11 +49,12 @@ def _data_line(prepared: dict | None, params: dict) -> str | None:
     )
 
 
-def _model_line(recipe: dict | None, train: dict | None, params: dict) -> str | None:
+def _model_line(recipe: dict | None, train: dict | None, params: dict, prepared: dict | None) -> str | None:
     if not train:
         return None
     members = len(train.get("members", [])) or 1
-    what = f"{params['model']['name']}, {params['prepare']['image_size']} px"
+    size = prepared["image_size"] if prepared else params["prepare"]["image_size"]
+    what = f"{params['model']['name']}, {size} px"
     what += f", {members} models" if members > 1 else ""
     what += " + a tile model" if recipe and recipe.get("tiles") else ""
     seconds = training_seconds(train)
@@ -100,7 +101,8 @@ def _test_lines(ev: dict) -> list[str]:
 def lines(reports: Path = Path("reports"), root: Path = Path()) -> list[str]:
     params = _read_yaml(root / "params.yaml")
     recipe, train = _read(reports / "train/recipe.json"), _read(reports / "train/metrics.json")
-    out = [_data_line(_read(root / "data/prepared/prepare.json"), params), _model_line(recipe, train, params)]
+    prepared = _read(root / "data/prepared/prepare.json")
+    out = [_data_line(prepared, params), _model_line(recipe, train, params, prepared)]
     ev = _read(reports / "evaluate/metrics.json")
     if ev:
         out += _test_lines(ev)
@@ -134,7 +136,7 @@ def lines(reports: Path = Path("reports"), root: Path = Path()) -> list[str]:
     return out + [
         "reports:   reports/evaluate/ (review.png: the images to look at first), `dvc metrics show`, MLflow: `make ui`",
         f"serve it:  {serve}",
-        "your data: defect check -S data.source=DIR, then defect exp --profile photographs -S data.source=DIR",
+        "your data: defect check -S data.source=DIR, then dvc exp run -S data.source=DIR -S data.ok_class=NAME",
     ]
 
 

@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from pipeline.config import params_from_dict
-from pipeline.data.prepare import assign_splits, load_groups, load_split, split_of
+from pipeline.data.prepare import assign_splits, auto_image_size, load_groups, load_split, split_of
 from pipeline.data.validate import GateError, gate, validate
 from tests.conftest import tiny_params
 
@@ -102,3 +102,16 @@ def test_adding_images_keeps_every_existing_split():
     after = {r["path"]: s for s, rs in assign_splits(more, P.prepare).items() for r in rs}
     assert all(after[p] == s for p, s in before.items())
     assert {s for s in after.values()} == {"train", "val", "test"}
+
+
+def test_auto_input_size_follows_the_images_own_resolution():
+    """prepare.image_size auto: the median shorter side, down to a multiple of 32, within 64-192 px."""
+
+    def rows(*sizes):
+        return [{"width": w, "height": h} for w, h in sizes]
+
+    assert auto_image_size(rows((200, 200)) * 5)[0] == 192  # NEU's steel strips
+    assert auto_image_size(rows((96, 96)))[0] == 96  # the generator's images, as they are
+    assert auto_image_size(rows((300, 257), (500, 240), (250, 400)))[0] == 192  # photographs: at most 192
+    size, why = auto_image_size(rows((40, 30), (50, 60)))
+    assert size == 64 and "median shorter side is 40 px" in why  # min(40, 30), min(50, 60)
