@@ -26,9 +26,12 @@ def _read_yaml(path: Path) -> dict:
 
 def training_seconds(t: dict) -> float | None:
     """Training alone, without the stages before and after it, from the train stage's metrics.json; an
-    ensemble's is the sum of its members' (its own summary has no epoch count: members may differ)."""
+    ensemble's is the sum of its members' and its tile model's (its own summary has no epoch count: members
+    may differ)."""
     if "members" in t:
-        parts = [training_seconds(m) for m in t["members"]]
+        parts = [
+            training_seconds(m) for m in [*t["members"], *([t["tiles"]] if isinstance(t.get("tiles"), dict) else [])]
+        ]
         return None if None in parts else round(sum(parts), 1)
     if not t.get("train_img_s"):
         return None
@@ -53,7 +56,7 @@ def _model_line(recipe: dict | None, train: dict | None, params: dict, prepared:
     if not train:
         return None
     members = len(train.get("members", [])) or 1
-    size = prepared["image_size"] if prepared else params["prepare"]["image_size"]
+    size = (prepared or {}).get("image_size", params["prepare"]["image_size"])
     what = f"{params['model']['name']}, {size} px"
     what += f", {members} models" if members > 1 else ""
     what += " + a tile model" if recipe and recipe.get("tiles") else ""
@@ -131,7 +134,7 @@ def lines(reports: Path = Path("reports"), root: Path = Path()) -> list[str]:
     serve = (
         f"defect-runner serve --model models:/{name}@champion --tracking-uri {uri}"
         if registered
-        else "defect-runner serve --model models/export/model.onnx --force  (this model is marked for review)"
+        else "defect-runner serve --model models/export/model.onnx  (marked for review: not registered, it warns)"
     )
     return out + [
         "reports:   reports/evaluate/ (review.png: the images to look at first), `dvc metrics show`, MLflow: `make ui`",

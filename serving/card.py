@@ -57,6 +57,9 @@ METADATA_CARD = "model_card"  # ONNX metadata key: the card as JSON, without ``s
 METADATA_CARD_SHA256 = "model_card_sha256"  # ONNX metadata key: ``card_sha256`` of that card
 MAX_CARD_BYTES = 1 << 20  # a card is a few kB; a larger file is not a card
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+# How export's gate begins the reason of a model marked for review (its operating point below target); the
+# runner loads such a model with a warning, while any other reason needs force. Reasons are joined by "; ".
+REVIEW_REASON = "marked for review"
 BINARY_OUTPUTS = {"probs": "(N, K) float32 class probabilities", "defect_score": "(N,) 1 - p(ok)"}
 SORTING_OUTPUTS = {
     "probs": "(N, K) float32 class probabilities",

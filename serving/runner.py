@@ -42,7 +42,14 @@ import numpy as np
 import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
-from serving.card import CardError, ModelCard, card_path_for, check_card_against_graph, read_regular_file
+from serving.card import (
+    REVIEW_REASON,
+    CardError,
+    ModelCard,
+    card_path_for,
+    check_card_against_graph,
+    read_regular_file,
+)
 from serving.preprocess import (
     DEFAULT_MAX_PIXELS,
     ImageDecodeError,
@@ -278,6 +285,13 @@ def _figure(value: object) -> str:
     return f"{value:.3f}" if is_number else str(value)
 
 
+def only_marked_for_review(card: ModelCard) -> bool:
+    """Whether the card is not deployable for one reason alone: its operating point is below target (export's
+    gate, ``REVIEW_REASON``). Such a model loads with a warning; any other reason needs force."""
+    reasons = [r for r in card.not_deployable_reason.split("; ") if r]
+    return below_target(card) and bool(reasons) and all(r.startswith(REVIEW_REASON) for r in reasons)
+
+
 def below_target(card: ModelCard) -> bool:
     """Whether the card's operating point says the model misses its recall target under the false-alarm
     ceiling (the evaluate stage's ``status``): a model marked for review, which still runs."""
@@ -396,7 +410,7 @@ class Runner:
         warning = check_card_against_graph(self.card, metadata, str(card_file), str(self.model_path))
         if warning:
             log.warning("%s", warning)
-        if not self.card.deployable and not force and not below_target(self.card):
+        if not self.card.deployable and not force and not only_marked_for_review(self.card):
             raise RunnerError(
                 f"{self.model_path}: the model card marks variant {self.card.variant!r} not deployable "
                 f"({self.card.not_deployable_reason}); pass force to load it anyway"

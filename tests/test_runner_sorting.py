@@ -280,6 +280,11 @@ def test_not_deployable_below_target_runs_other_reasons_need_force_and_both_warn
     below = binary_card(operating_point=BELOW_TARGET, deployable=False, not_deployable_reason=reason_op)
     runner = Runner(save_carded(share_graph(SIDE), below, tmp_path / "below.onnx"), providers="cpu")
     assert "below target and its card marks it not deployable (marked for review" in runner.warning
+    both = binary_card(
+        operating_point=BELOW_TARGET, deployable=False, not_deployable_reason=f"{reason_op}; int8 defect recall drops"
+    )
+    with pytest.raises(RunnerError, match="pass force"):  # below target and another reason: the other one counts
+        Runner(save_carded(share_graph(SIDE), both, tmp_path / "both.onnx"), providers="cpu")
     drift = binary_card(deployable=False, not_deployable_reason="int8 defect recall drops by 0.05")
     path = save_carded(share_graph(SIDE), dataclasses.replace(drift, variant="int8"), tmp_path / "int8.onnx")
     with pytest.raises(RunnerError, match="not deployable .int8 defect recall drops by 0.05.; pass force"):

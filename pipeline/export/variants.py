@@ -33,7 +33,7 @@ from pipeline.config import ExportConfig
 from pipeline.export.onnx import set_card_metadata
 from pipeline.export.timing import batches, interleaved
 from pipeline.metrics import binary_metrics, classification_metrics
-from serving.card import ModelCard, card_path_for, sha256_file
+from serving.card import REVIEW_REASON, ModelCard, card_path_for, sha256_file
 from serving.runner import Runner
 
 log = logging.getLogger(__name__)
@@ -180,7 +180,7 @@ def gate(report: dict, cfg: ExportConfig, operating_point: dict | None = None) -
         why = []
         if operating_point and operating_point["status"] != "meets target" and not cfg.deploy_below_target:
             why.append(
-                f"marked for review: at the {operating_point['max_false_alarm_rate']:.1%} false-alarm ceiling "
+                f"{REVIEW_REASON}: at the {operating_point['max_false_alarm_rate']:.1%} false-alarm ceiling "
                 f"it catches {operating_point['val_defect_recall']:.1%} of the val defects, below the "
                 f"{operating_point['target_defect_recall']:.1%} target (export.deploy_below_target: false)"
             )
