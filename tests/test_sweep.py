@@ -126,10 +126,10 @@ def test_the_table_pairs_each_lever_with_the_reference_from_the_experiments_figu
     ref = exps["tiny-default-s3"]["reports"]["reports/evaluate/metrics.json"]
     two = exps["tiny-two-epochs-gamma-only-s3"]["reports"]["reports/evaluate/metrics.json"]
     rows = {r["experiment"]: r for r in json.loads((project / "sweeps/tiny/runs.json").read_text())}
-    assert rows["tiny-two-epochs-gamma-only-s3"]["recall_at_far"] == two["defect_recall_at_far_threshold"]
+    assert rows["tiny-two-epochs-gamma-only-s3"]["recall_at_far"] == two["defect_recall"]
     assert rows["tiny-two-epochs-gamma-only-s3"]["auc"] == two["roc_auc"]
-    recall, far = two["defect_recall_at_far_threshold"], two["false_alarm_rate_at_far_threshold"]
-    paired = recall - ref["defect_recall_at_far_threshold"]
+    recall, far = two["defect_recall"], two["false_alarm_rate"]
+    paired = recall - ref["defect_recall"]
     table = (project / "sweeps/tiny/summary.md").read_text()
     changes = json.dumps(load_sweep(project / "sweeps/tiny.yaml").levers["two epochs, gamma only"])
     assert (
