@@ -465,8 +465,10 @@ def _output_problems(p: Params) -> list[str]:
     problems = []
     if not 0 < p.evaluate.target_defect_recall <= 1:
         problems.append("evaluate.target_defect_recall: must be in (0, 1]")
-    if not 0 < p.evaluate.max_false_alarm_rate < 1:
-        problems.append(f"evaluate.max_false_alarm_rate: a share in (0, 1), got {p.evaluate.max_false_alarm_rate}")
+    if not 0 < p.evaluate.max_false_alarm_rate <= 1:
+        problems.append(
+            f"evaluate.max_false_alarm_rate: a share in (0, 1] (1: no ceiling), got {p.evaluate.max_false_alarm_rate}"
+        )
     if p.evaluate.heatmaps_per_class < 0:
         problems.append("evaluate.heatmaps_per_class: must be >= 0 (0 = no heatmaps)")
     if not p.benchmark.batch_sizes or min(p.benchmark.batch_sizes) < 1:

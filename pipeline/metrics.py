@@ -125,7 +125,8 @@ def cut_on_partitions(
         defects, oks = scores[judged & is_defect], np.sort(scores[judged & ~is_defect])[::-1]
         recall.append((defects >= cut).mean())
         within.append((oks >= cut).mean() <= max_rate + 1e-9)
-        oracle.append((defects > oks[int(max_rate * len(oks))]).mean())
+        allowed = int(max_rate * len(oks))  # all of them at max_rate 1: no OK image bounds the oracle's cut
+        oracle.append((defects > oks[allowed]).mean() if allowed < len(oks) else 1.0)
     if not recall:
         return {"partitions": 0}
     return {
@@ -157,6 +158,12 @@ def _logit(p: float) -> float:
     return math.log(p / (1 - p))
 
 
+def _logit_middle(low: float, high: float) -> float:
+    """The middle of [low, high] in logit space (scores near 0 or 1 spread out there), within [low, high]."""
+    middle = 1 / (1 + math.exp(-(_logit(low) + _logit(high)) / 2))
+    return min(max(middle, low), high)  # the clamp only guards float rounding
+
+
 def operating_point(
     scores: np.ndarray,
     is_defect: np.ndarray,
@@ -176,12 +183,11 @@ def operating_point(
     w = _weights(len(is_defect), weights)
     recall_cut = choose_threshold(scores, is_defect, target_recall, w)
     ceiling_cut = threshold_for_false_alarms(scores[~is_defect], max_false_alarm_rate, w[~is_defect])
+    above = scores[scores >= ceiling_cut]  # the ceiling's cut sits a hair above an OK image: move it halfway up
+    if len(above) and ceiling_cut > 0:  # to the next score, which flags the same val images with a margin
+        ceiling_cut = _logit_middle(float(np.nextafter(ceiling_cut, -np.inf)), float(above.min()))
     meets = ceiling_cut <= recall_cut
-    if meets:
-        threshold = 1 / (1 + math.exp(-(_logit(recall_cut) + _logit(ceiling_cut)) / 2))
-        threshold = min(max(threshold, ceiling_cut), recall_cut)  # the clamp only guards float rounding
-    else:
-        threshold = ceiling_cut
+    threshold = _logit_middle(ceiling_cut, recall_cut) if meets else ceiling_cut
     flagged = scores >= threshold
     return {
         "status": "meets target" if meets else "below target",

@@ -170,10 +170,12 @@ def test_first_model_becomes_champion_and_the_runner_can_pull_it(registry_projec
 
 
 def test_a_worse_model_stays_challenger_and_both_runs_record_it(registry_project):
-    """lr 0: the zero-initialised head never learns, every image scores the same and is flagged."""
+    """lr 0: the zero-initialised head never learns, every image scores the same. Without a false-alarm
+    ceiling (1.0) its card catches the val defects by flagging everything, which promotion refuses."""
     params = tiny_params(**{"model.name": "test_efficientnet"})
     champion_run = json.loads((registry_project / "models/train/run.json").read_text())["run_id"]
     params["train"]["lr"] = 0.0
+    params["evaluate"]["max_false_alarm_rate"] = 1.0  # no ceiling: the recall target alone sets the threshold
     params["promote"]["refuse_false_alarm_rate"] = 0.95  # the champion, one epoch old, may flag many itself
     run_stages_in(registry_project, params, ["train", "evaluate", "export", "promote"])
     d = decision(registry_project)

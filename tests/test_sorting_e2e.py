@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow  # trains and exports: left out of `make test-fast
 def sorted_project(tmp_path_factory) -> Path:
     """The tiny synthetic configuration with its four classes taken as four defect types."""
     project = copy_project(tmp_path_factory.mktemp("sorting"))
-    params = tiny_params(**{"data.ok_class": "none"})
+    params = tiny_params(**{"data.ok_class": "none", "tiles.use": "auto"})  # auto: it says why there are none
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     proc = subprocess.run(
         [sys.executable, "-m", "dvc", "repro"], cwd=project, env=venv_env(), capture_output=True, text=True, timeout=900

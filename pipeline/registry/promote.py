@@ -240,7 +240,7 @@ def promote(params: Params, export_dir: Path, raw_images: Path, prepared: Path, 
             "champion_before": None
             if champ is None
             else {"version": str(champ.version), "run_id": champ.run_id, "classes": champ_classes[0], **(old or {})},
-            "champion_after": version if promoted else str(champ.version),
+            "champion_after": version if promoted else (str(champ.version) if champ else None),
             "promoted": promoted,
             "comparable": not refused,
             "reason": why,
