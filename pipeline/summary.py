@@ -29,9 +29,8 @@ def training_seconds(t: dict) -> float | None:
     ensemble's is the sum of its members' and its tile model's (its own summary has no epoch count: members
     may differ)."""
     if "members" in t:
-        parts = [
-            training_seconds(m) for m in [*t["members"], *([t["tiles"]] if isinstance(t.get("tiles"), dict) else [])]
-        ]
+        tile_model = [t["tiles"]] if isinstance(t.get("tiles"), dict) else []
+        parts = [training_seconds(m) for m in [*t["members"], *tile_model]]
         return None if None in parts else round(sum(parts), 1)
     if not t.get("train_img_s"):
         return None

@@ -17,7 +17,7 @@ import numpy as np
 
 from pipeline import tracking
 from pipeline.config import ExportConfig
-from pipeline.data.prepare import load_split
+from pipeline.data.prepare import load_split, ok_index
 from pipeline.export.onnx import export_onnx
 from pipeline.export.reference import torch_scorer
 from pipeline.export.variants import (
@@ -91,7 +91,7 @@ def export_model(cfg: ExportConfig, name: str, src: Inputs, fp32: Path) -> Expor
     if tiles:
         graphs.append((tiles[0], tiles[1]["tile"], tile_paths, src.prepared / "tiles"))
     for graph, size, files, data in graphs:  # each graph in every variant
-        write_variants(cfg, graph, card, size, meta["channels"], files, data)
+        write_variants(cfg, graph, card, ok_index(meta), size, meta["channels"], files, data)
     for v, path in paths.items():  # provisional cards, so the runner (which checks the card and sha256) loads them
         write_card(dataclasses.replace(with_tile_graph(card, tile_paths[v]) if tiles else card, variant=v), path)
     report, n_test = parity(cfg, net, tiles, meta, card, paths, tile_paths, src)
@@ -101,11 +101,6 @@ def export_model(cfg: ExportConfig, name: str, src: Inputs, fp32: Path) -> Expor
         report[v] |= {"deployable": not reasons[v], "not_deployable_reason": reasons[v]}
     finish_cards(card, paths, report, reasons, recommended, tile_paths)
     return Export(card, report, reasons, recommended, n_test)
-
-
-def ok_index(card: ModelCard) -> int | None:
-    """The OK class's index, None for defect-type sorting (a card without an OK class)."""
-    return None if card.ok_class is None else card.classes.index(card.ok_class)
 
 
 def base_card(name: str, meta: dict, tiles: tuple | None, src: Inputs) -> ModelCard:
@@ -132,10 +127,18 @@ def base_card(name: str, meta: dict, tiles: tuple | None, src: Inputs) -> ModelC
 
 
 def write_variants(
-    cfg: ExportConfig, net, card: ModelCard, size: int, channels: int, files: dict[str, Path], data: Path
+    cfg: ExportConfig,
+    net,
+    card: ModelCard,
+    ok: int | None,
+    size: int,
+    channels: int,
+    files: dict[str, Path],
+    data: Path,
 ) -> None:
-    """One network as fp32 ONNX, then fp16 and int8 (calibrated on ``data``'s training split) where asked."""
-    export_onnx(net, ok_index(card), size, channels, cfg.opset, files["fp32"], card)
+    """One network as fp32 ONNX, then fp16 and int8 (calibrated on ``data``'s training split) where asked;
+    ``ok``: the OK class's index (None: defect-type sorting, the graph's score is the top probability)."""
+    export_onnx(net, ok, size, channels, cfg.opset, files["fp32"], card)
     if "fp16" in files:
         make_fp16(files["fp32"], files["fp16"])
     if "int8" in files:
@@ -168,8 +171,8 @@ def parity(
     for v, runner in runners.items():
         probs = np.concatenate([runner.predict(b)[0] for b in batches])
         report[v] = {
-            **scores(probs, y_test, card.classes, ok_index(card), card.threshold),
-            **compare(torch_probs, probs, test_paths, ok_index(card), card.threshold),
+            **scores(probs, y_test, card.classes, ok_index(meta), card.threshold),
+            **compare(torch_probs, probs, test_paths, ok_index(meta), card.threshold),
             "model_bytes": paths[v].stat().st_size + (tile_paths[v].stat().st_size if tiles else 0),
         }
     # latency: with tiles, the first test photograph (its letterbox and its tiles) in batches of its copies
